@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make test` and `make demo`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines take the CPU build from local disk; a bare `torch` would pull a multi-GB CUDA build.
+TORCH_CPU_PIN ?= torch==2.13.0
+
+.PHONY: test test-gpu demo bench-fragmentation clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q $(TORCH_CPU_PIN); fi
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu
+
+demo: $(VENV)/.installed
+	$(PY) -m kvmem.demo
+
+bench-fragmentation: $(VENV)/.installed
+	$(PY) bench/fragmentation.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,222 @@
+"""VirtualKVCache: K/V buffers reserved as contiguous virtual memory, backed page by page on demand."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvmem.errors import KVCacheError, VMMError
+from kvmem.pool import PagePool
+from kvmem.slots import SlotCache
+from kvmem.spec import KVCacheSpec
+from kvmem.vmm import VMM, default_vmm
+
+Group = tuple[int, ...]  # one physical page per buffer, all at the same slot page index
+
+
+class VirtualKVCache(SlotCache):
+    """The vAttention cache: attention kernels read plain ``[slot, token, head, dim]`` tensors.
+
+    Each buffer (2 per layer, or one K and one V for ``mega``) is one virtual reservation of
+    ``max_slots`` slot rows. Page i of a slot is a group of physical pages, one per buffer, mapped at the
+    same offset of every buffer, so a slot's tokens are backed in all layers at once.
+
+    ``pool_bytes`` of physical pages are created up front (``grow``/``shrink`` change that later).
+    ``zero_unmapped`` maps a shared read-only zero page over every unmapped page, so a stray read of a
+    view sees zeros rather than faulting (free on the host; on the GPU it adds a map per unmap and an
+    unmap per map -- see bench/README.md for the measured cost).
+    """
+
+    keeps_pages_on_free = True
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pool_bytes: int,
+        vmm: VMM | None = None,
+        *,
+        zero_unmapped: bool = True,
+    ):
+        if spec.layout == "paged":
+            raise ValueError("VirtualKVCache takes layout 'per_layer' or 'mega'; use PagedKVCache for 'paged'")
+        if pool_bytes < 0:
+            raise ValueError(f"pool_bytes must be >= 0, got {pool_bytes}")
+        super().__init__(spec)
+        self._vmm = vmm if vmm is not None else default_vmm()
+        if spec.page_size % self._vmm.granularity:
+            raise ValueError(
+                f"page_size={spec.page_size} is not a multiple of the backend granularity {self._vmm.granularity}"
+            )
+        self.units_per_page = spec.num_buffers
+        self.zero_unmapped = zero_unmapped
+        self._bases: list[int] = []
+        self._reserve_all()
+        self._flat = [self._vmm.tensor(base, spec.buffer_bytes) for base in self._bases]
+        self._scratch_va = self._vmm.reserve(spec.page_size)
+        self._scratch = self._vmm.tensor(self._scratch_va, spec.page_size)
+        self._views = [self._view(i) for i in range(spec.num_buffers)]
+        self._pool = PagePool(self._vmm, spec.page_size, pool_bytes // spec.page_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self._vmm.device
+
+    # -- set-up --------------------------------------------------------------------------------
+    def _reserve_all(self) -> None:
+        spec = self.spec
+        try:
+            for _ in range(spec.num_buffers):
+                self._bases.append(self._vmm.reserve(spec.buffer_bytes))
+                if self.zero_unmapped:
+                    for offset in range(0, spec.buffer_bytes, spec.page_size):
+                        self._vmm.map_zero(self._bases[-1] + offset, spec.page_size)
+        except VMMError as exc:
+            self._free_reservations()
+            raise KVCacheError(
+                f"the spec does not fit the virtual address space: {spec.num_buffers} buffers of "
+                f"{spec.buffer_bytes} bytes (max_slots={spec.max_slots} x slot_tokens={spec.slot_tokens} x "
+                f"{spec.token_bytes} bytes/token), {spec.reserved_bytes} bytes in all: {exc}"
+            ) from exc
+
+    def _free_reservations(self) -> None:
+        for base in self._bases:
+            if self.zero_unmapped:
+                for offset in range(0, self.spec.buffer_bytes, self.spec.page_size):
+                    self._vmm.unmap(base + offset, self.spec.page_size)
+            self._vmm.free(base, self.spec.buffer_bytes)
+        self._bases.clear()
+
+    def _view(self, buffer: int) -> torch.Tensor:
+        s = self.spec
+        rows = self._flat[buffer].view(s.dtype).view(s.max_slots, s.slot_tokens, s.layers_per_buffer, s.num_kv_heads, s.head_dim)
+        return rows[:, : s.max_tokens]
+
+    # -- tensors -------------------------------------------------------------------------------
+    def k(self, layer: int) -> torch.Tensor:
+        """K of ``layer``: ``[max_slots, max_tokens, num_kv_heads, head_dim]`` over virtual memory."""
+        return self._layer_view(layer, 0)
+
+    def v(self, layer: int) -> torch.Tensor:
+        """V of ``layer``: ``[max_slots, max_tokens, num_kv_heads, head_dim]`` over virtual memory."""
+        return self._layer_view(layer, 1)
+
+    def _layer_view(self, layer: int, kv: int) -> torch.Tensor:
+        if not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.spec.num_layers})")
+        if self.spec.layout == "per_layer":
+            return self._views[kv * self.spec.num_layers + layer][:, :, 0]
+        return self._views[kv][:, :, layer]
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``[n, H, D]``) at tokens ``[start, start + n)`` of ``slot``, which must be backed."""
+        with self._lock:
+            held = self._in_use(slot).tokens
+            n = k.shape[0]
+            if start < 0 or start + n > held or v.shape[0] != n:
+                raise ValueError(
+                    f"write of {n} tokens at {start} into slot {slot} outside the {held} tokens ensure() backed"
+                )
+            self.k(layer)[slot, start : start + n] = k
+            self.v(layer)[slot, start : start + n] = v
+
+    # -- pool ----------------------------------------------------------------------------------
+    def grow(self, nbytes: int) -> int:
+        """Create physical pages for ``nbytes`` more (rounded up to pages); returns bytes added."""
+        if nbytes < 0:
+            raise ValueError(f"grow: nbytes must be >= 0, got {nbytes}")
+        with self._lock:
+            return self._pool.grow(-(-nbytes // self.spec.page_size)) * self.spec.page_size
+
+    def shrink(self, nbytes: int) -> int:
+        """Release up to ``nbytes`` of unmapped pages to the system; returns the bytes released."""
+        if nbytes < 0:
+            raise ValueError(f"shrink: nbytes must be >= 0, got {nbytes}")
+        with self._lock:
+            return self._pool.shrink(nbytes // self.spec.page_size) * self.spec.page_size
+
+    def eager_map(self, tokens: int, slots: int = 1) -> int:
+        """Map pages for ``tokens`` tokens into up to ``slots`` free slots ahead of their requests.
+
+        Best effort: uses only free pool pages, never evicts. Returns the page groups mapped.
+        """
+        self._check_tokens(tokens, "tokens")
+        with self._lock:
+            need = self.spec.pages_for(tokens)
+            free = sorted((i for i, s in enumerate(self._slots) if not s.in_use), key=lambda i: -len(self._slots[i].pages))
+            mapped = 0
+            for slot in free[:slots]:
+                pages = self._slots[slot].pages
+                while len(pages) < need and self._free_pages() > 0:
+                    self._link(slot, len(pages), self._take(1)[0])
+                    mapped += 1
+            return mapped
+
+    # -- SlotCache hooks -----------------------------------------------------------------------
+    def _take(self, n: int) -> list[Group]:
+        nb = self.spec.num_buffers
+        flat = self._pool.take(n * nb)
+        return [flat[i * nb : (i + 1) * nb] for i in range(n)]
+
+    def _give(self, page: Group) -> None:
+        self._pool.give(page)
+
+    def _free_pages(self) -> int:
+        return self._pool.num_free // self.spec.num_buffers
+
+    def _va(self, buffer: int, slot: int, index: int) -> int:
+        return self._bases[buffer] + slot * self.spec.slot_bytes + index * self.spec.page_size
+
+    def _attach(self, slot: int, index: int, page: Group) -> None:
+        size = self.spec.page_size
+        start = time.perf_counter()
+        for buffer, physical in enumerate(page):
+            va = self._va(buffer, slot, index)
+            if self.zero_unmapped:
+                self._vmm.unmap(va, size)
+            self._vmm.map(va, size, self._pool.handle(physical))
+        self._counters.map_latency_us.append((time.perf_counter() - start) * 1e6)
+        self._counters.maps += 1
+
+    def _detach(self, slot: int, index: int, page: Group) -> None:
+        size = self.spec.page_size
+        for buffer in range(len(page)):
+            va = self._va(buffer, slot, index)
+            self._vmm.unmap(va, size)
+            if self.zero_unmapped:
+                self._vmm.map_zero(va, size)
+        self._counters.unmaps += 1
+
+    def _copy(self, slot: int, index: int, src: Group, dst: Group) -> None:
+        size = self.spec.page_size
+        offset = slot * self.spec.slot_bytes + index * size
+        for buffer, physical in enumerate(dst):
+            self._vmm.map(self._scratch_va, size, self._pool.handle(physical))
+            self._vmm.copy(self._scratch, self._flat[buffer][offset : offset + size])
+            self._vmm.unmap(self._scratch_va, size)
+
+    def _page_tokens_bytes(self) -> tuple[int, int]:
+        return self.spec.token_bytes, self.spec.page_size
+
+    def _pool_stats(self) -> tuple[int, int]:
+        return self.spec.reserved_bytes, self._pool.num_pages * self.spec.page_size
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap everything and give all memory back. Views taken from this cache are invalid after."""
+        with self._lock:
+            if not self._bases:
+                return
+            for slot, state in enumerate(self._slots):
+                self._drop_tail(slot, 0)
+                state.in_use, state.tokens = False, 0
+            self._pool.close()
+            self._vmm.free(self._scratch_va, self.spec.page_size)
+            self._free_reservations()
+            self._vmm.close()
+
+    def __enter__(self) -> "VirtualKVCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

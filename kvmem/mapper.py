@@ -1,0 +1,121 @@
+"""AsyncMapper: map the pages of step k+1 on a background thread while step k computes."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvmem.errors import KVCacheError
+from kvmem.slots import SlotCache
+
+
+@dataclass(eq=False)
+class MappingPlan:
+    """What the next step needs: slot -> tokens it must hold (each an ``ensure``), plus optional
+    eager mapping of ``eager_tokens`` into ``eager_slots`` free slots for requests about to arrive."""
+
+    needs: dict[int, int]
+    eager_tokens: int = 0
+    eager_slots: int = 0
+    _items: list[tuple[int, int]] = field(init=False, repr=False)
+    _next: int = field(default=0, init=False, repr=False)
+    _pending: int = field(init=False, repr=False)
+    _errors: list[BaseException] = field(default_factory=list, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._items = list(self.needs.items())
+        self._pending = len(self._items) + (1 if self.eager_slots else 0)
+        if not self._pending:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _claim(self) -> int | None:
+        with self._lock:
+            if self._next >= len(self._items) + (1 if self.eager_slots else 0):
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _run(self, cache: SlotCache, index: int) -> None:
+        try:
+            if index < len(self._items):
+                cache.ensure(*self._items[index])
+            else:
+                cache.eager_map(self.eager_tokens, self.eager_slots)  # type: ignore[attr-defined]
+        except BaseException as exc:  # surfaces in wait(); never lost in the thread
+            with self._lock:
+                self._errors.append(exc)
+        with self._lock:
+            self._pending -= 1
+            if self._pending == 0:
+                self._done.set()
+
+
+class AsyncMapper:
+    """One persistent thread that executes ``MappingPlan``s against a cache.
+
+    ``submit`` returns at once; ``wait`` runs whatever of the plan the thread has not started itself,
+    then waits for what is in flight. Only that wait counts as stall time (``cache.stats().stall_seconds``).
+    An error in a plan is raised by ``wait``; one never waited for is raised by ``close``.
+    """
+
+    def __init__(self, cache: SlotCache):
+        self._cache = cache
+        self._queue: queue.SimpleQueue[MappingPlan | None] = queue.SimpleQueue()
+        self._unobserved: set[MappingPlan] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="kvmem-mapper", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (plan := self._queue.get()) is not None:
+            while (index := plan._claim()) is not None:
+                plan._run(self._cache, index)
+
+    def submit(self, plan: MappingPlan) -> MappingPlan:
+        """Queue ``plan`` for the mapper thread; returns it for ``wait``."""
+        if self._closed:
+            raise KVCacheError("AsyncMapper is closed")
+        if plan.eager_slots and not hasattr(self._cache, "eager_map"):
+            raise ValueError(f"{type(self._cache).__name__} has no eager mapping; eager_slots must be 0")
+        self._unobserved = {p for p in self._unobserved if not p.done or p._errors}
+        self._unobserved.add(plan)
+        self._queue.put(plan)
+        return plan
+
+    def wait(self, plan: MappingPlan) -> None:
+        """Return once every page of ``plan`` is mapped; raises the plan's first error."""
+        if not plan.done:
+            start = time.perf_counter()
+            while (index := plan._claim()) is not None:
+                plan._run(self._cache, index)
+            plan._done.wait()
+            self._cache.add_stall(time.perf_counter() - start)
+        self._unobserved.discard(plan)
+        if plan._errors:
+            raise plan._errors[0]
+
+    def close(self) -> None:
+        """Stop the thread after the plans already queued; raise an error no ``wait`` has seen."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        failed = [p for p in self._unobserved if p._errors]
+        self._unobserved.clear()
+        if failed:
+            raise failed[0]._errors[0]
+
+    def __enter__(self) -> "AsyncMapper":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

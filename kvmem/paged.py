@@ -1,0 +1,122 @@
+"""PagedKVCache: the PagedAttention baseline -- a fixed pool of token blocks and per-slot block tables."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmem.slots import SlotCache
+from kvmem.spec import KVCacheSpec
+
+
+class PagedKVCache(SlotCache):
+    """vLLM-style paged KV cache with the same slot interface and stats as ``VirtualKVCache``.
+
+    ``spec.layout`` must be ``"paged"``; ``spec.page_size`` is the block size in tokens (16 by default
+    in ``paged_spec``). K and V are each one pool ``[num_blocks, block_size, num_layers, H, D]``
+    allocated up front; a slot's tokens live in the blocks its block table lists. Freed slots return
+    their blocks at once (there is no virtual memory to keep them in).
+    """
+
+    def __init__(self, spec: KVCacheSpec, pool_bytes: int, device: str | torch.device = "cpu"):
+        if spec.layout != "paged":
+            raise ValueError(f"PagedKVCache needs layout 'paged', got {spec.layout!r}")
+        super().__init__(spec)
+        self.block_bytes = spec.page_size * spec.bytes_per_token  # K and V, all layers
+        self.num_blocks = pool_bytes // self.block_bytes
+        if self.num_blocks <= 0:
+            raise ValueError(f"pool_bytes={pool_bytes} holds no block of {self.block_bytes} bytes")
+        shape = (self.num_blocks, spec.page_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.device = torch.device(device)
+        self._k = torch.empty(shape, dtype=spec.dtype, device=self.device)
+        self._v = torch.empty(shape, dtype=spec.dtype, device=self.device)
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.page_size
+
+    def k(self, layer: int) -> torch.Tensor:
+        """K blocks of ``layer``: ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self._k[:, :, self._layer(layer)]
+
+    def v(self, layer: int) -> torch.Tensor:
+        """V blocks of ``layer``: ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self._v[:, :, self._layer(layer)]
+
+    def _layer(self, layer: int) -> int:
+        if not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.spec.num_layers})")
+        return layer
+
+    def block_table(self, slot: int) -> list[int]:
+        """Block ids holding ``slot``'s tokens, in token order."""
+        with self._lock:
+            return list(self._in_use(slot).pages)
+
+    def block_tables(self, slots: list[int]) -> torch.Tensor:
+        """``[len(slots), max_blocks]`` int32 block tables, padded with 0."""
+        with self._lock:
+            tables = [self._in_use(s).pages for s in slots]
+            width = max((len(t) for t in tables), default=0)
+            out = torch.zeros(len(slots), width, dtype=torch.int32)
+            for row, table in enumerate(tables):
+                out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            return out.to(self.device)
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``[n, H, D]``) at tokens ``[start, start + n)`` of ``slot``."""
+        with self._lock:
+            state = self._in_use(slot)
+            n = k.shape[0]
+            if start < 0 or start + n > state.tokens or v.shape[0] != n:
+                raise ValueError(
+                    f"write of {n} tokens at {start} into slot {slot} outside the {state.tokens} tokens ensure() backed"
+                )
+            positions = torch.arange(start, start + n)
+            blocks = torch.tensor(state.pages, dtype=torch.long)[positions // self.block_size]
+            offsets = positions % self.block_size
+            self.k(layer)[blocks.to(self.device), offsets.to(self.device)] = k
+            self.v(layer)[blocks.to(self.device), offsets.to(self.device)] = v
+
+    def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slot``'s K and V of ``layer`` as contiguous ``[tokens, H, D]`` copies (reference path)."""
+        with self._lock:
+            state = self._in_use(slot)
+            blocks = torch.tensor(state.pages, dtype=torch.long, device=self.device)
+            k = self.k(layer)[blocks].flatten(0, 1)[: state.tokens]
+            v = self.v(layer)[blocks].flatten(0, 1)[: state.tokens]
+            return k, v
+
+    # -- SlotCache hooks -----------------------------------------------------------------------
+    def _take(self, n: int) -> list[int]:
+        taken = self._free[-n:] if n else []
+        del self._free[len(self._free) - n:]
+        return taken
+
+    def _give(self, page: int) -> None:
+        self._free.append(page)
+
+    def _free_pages(self) -> int:
+        return len(self._free)
+
+    def _attach(self, slot: int, index: int, page: int) -> None:
+        self._counters.maps += 1
+
+    def _detach(self, slot: int, index: int, page: int) -> None:
+        self._counters.unmaps += 1
+
+    def _copy(self, slot: int, index: int, src: int, dst: int) -> None:
+        self._k[dst] = self._k[src]
+        self._v[dst] = self._v[src]
+
+    def _page_tokens_bytes(self) -> tuple[int, int]:
+        token_bytes = self.spec.bytes_per_token // 2
+        return token_bytes, self.block_size * token_bytes
+
+    def _pool_stats(self) -> tuple[int, int]:
+        return self.num_blocks * self.block_bytes, self.num_blocks * self.block_bytes
+
+
+def paged_spec(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16, **kwargs) -> KVCacheSpec:
+    """A ``KVCacheSpec`` for ``PagedKVCache`` with a block size of ``block_size`` tokens."""
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, layout="paged", page_size=block_size, **kwargs)

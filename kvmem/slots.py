@@ -1,0 +1,273 @@
+"""SlotCache: the slot, page and reference-count bookkeeping both KV caches share.
+
+A slot is one request's row of the cache. Its pages are a prefix list: page i backs tokens
+``[i * page_tokens, (i + 1) * page_tokens)``. A page may sit in several slots (shared prefixes,
+parallel samples); it is reference-counted and copied before a write lands in it (copy-on-write).
+Subclasses say what a page is and how one is attached, detached and copied: ``VirtualKVCache`` maps
+physical pages into virtual buffers, ``PagedKVCache`` writes block-table entries.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from kvmem.errors import KVCacheError, KVCacheExhausted
+from kvmem.spec import KVCacheSpec
+from kvmem.stats import Counters, KVCacheStats
+
+Page = Hashable
+
+
+@dataclass
+class SlotState:
+    in_use: bool = False
+    tokens: int = 0
+    pages: list[Page] = field(default_factory=list)
+
+
+class SlotCache(ABC):
+    """Slots over ref-counted pages. All public methods are thread-safe (one re-entrant lock)."""
+
+    #: Physical pages behind one page of a slot (one per buffer for the virtual cache).
+    units_per_page: int = 1
+    #: Deferred reclamation: a freed slot keeps its pages for the next request.
+    keeps_pages_on_free: bool = False
+
+    def __init__(self, spec: KVCacheSpec):
+        self.spec = spec
+        self._slots = [SlotState() for _ in range(spec.max_slots)]
+        self._refs: Counter[Page] = Counter()
+        self._lock = threading.RLock()
+        self._counters = Counters()
+
+    # -- what a subclass provides -------------------------------------------------------------
+    @abstractmethod
+    def _take(self, n: int) -> list[Page]:
+        """``n`` fresh pages from the pool (the caller checked there are enough)."""
+
+    @abstractmethod
+    def _give(self, page: Page) -> None:
+        """Return a page no slot references any more to the pool."""
+
+    @abstractmethod
+    def _free_pages(self) -> int:
+        """Slot pages the pool can hand out now."""
+
+    @abstractmethod
+    def _attach(self, slot: int, index: int, page: Page) -> None:
+        """Make ``page`` back page ``index`` of ``slot``."""
+
+    @abstractmethod
+    def _detach(self, slot: int, index: int, page: Page) -> None:
+        """Stop ``page`` backing page ``index`` of ``slot``."""
+
+    @abstractmethod
+    def _copy(self, slot: int, index: int, src: Page, dst: Page) -> None:
+        """Copy the contents of ``src`` into ``dst`` (before ``dst`` replaces it in ``slot``)."""
+
+    @abstractmethod
+    def _page_tokens_bytes(self) -> tuple[int, int]:
+        """(bytes of valid data per token in one buffer, bytes of one page in one buffer)."""
+
+    @abstractmethod
+    def _pool_stats(self) -> tuple[int, int]:
+        """(reserved bytes, pool bytes)."""
+
+    # -- slots ---------------------------------------------------------------------------------
+    def alloc_slot(self, expected_tokens: int = 0) -> int:
+        """Claim a free slot for a request expected to reach ``expected_tokens`` tokens.
+
+        Best fit over still-mapped pages: the free slot with the fewest pages that still cover the
+        expectation, else the one with the most pages.
+        """
+        self._check_tokens(expected_tokens, "expected_tokens")
+        need = self.spec.pages_for(expected_tokens)
+        with self._lock:
+            free = [i for i, s in enumerate(self._slots) if not s.in_use]
+            if not free:
+                raise KVCacheError(f"no free slot: all {self.spec.max_slots} slots are in use")
+            fits = [i for i in free if len(self._slots[i].pages) >= need]
+            if fits:
+                slot = min(fits, key=lambda i: len(self._slots[i].pages))
+            else:
+                slot = max(free, key=lambda i: len(self._slots[i].pages))
+            state = self._slots[slot]
+            state.in_use, state.tokens = True, 0
+            return slot
+
+    def free_slot(self, slot: int) -> None:
+        """Finish with a slot. The virtual cache keeps its pages mapped for reuse (see ``reclaim``)."""
+        with self._lock:
+            state = self._in_use(slot)
+            state.in_use, state.tokens = False, 0
+            if not self.keeps_pages_on_free:
+                self._drop_tail(slot, 0)
+
+    def num_tokens(self, slot: int) -> int:
+        """Tokens ``slot`` holds (what ``ensure`` last backed)."""
+        with self._lock:
+            return self._in_use(slot).tokens
+
+    def ensure(self, slot: int, num_tokens: int) -> None:
+        """Back the first ``num_tokens`` tokens of ``slot``, ready for writes from its current length.
+
+        Maps missing pages and copies shared pages the write range touches (copy-on-write). Takes pages
+        of free slots when the pool is short. Raises ``KVCacheExhausted`` with the state unchanged when
+        even that is not enough.
+        """
+        self._check_tokens(num_tokens, "num_tokens")
+        with self._lock:
+            state = self._in_use(slot)
+            need = self.spec.pages_for(num_tokens)
+            have = len(state.pages)
+            cow = []
+            if num_tokens > state.tokens:
+                token_bytes, page_bytes = self._page_tokens_bytes()
+                first = state.tokens * token_bytes // page_bytes  # the page the next write starts in
+                cow = [i for i in range(first, min(need, have)) if self._refs[state.pages[i]] > 1]
+            self._make_room(max(0, need - have) + len(cow), f"slot {slot} to hold {num_tokens} tokens")
+            for index in cow:
+                self._copy_on_write(slot, state, index)
+            for index in range(have, need):
+                (page,) = self._take(1)
+                self._link(slot, index, page)
+            state.tokens = num_tokens
+
+    def share_prefix(self, src: int, dst: int, tokens: int) -> None:
+        """Make ``dst`` hold the first ``tokens`` tokens of ``src`` by sharing its pages.
+
+        Whole pages are shared, the last one too when ``tokens`` ends inside it: the first write there,
+        through either slot, copies it first. ``dst``'s own pages in that range are let go.
+        """
+        with self._lock:
+            source, target = self._in_use(src), self._in_use(dst)
+            if src == dst:
+                raise ValueError(f"share_prefix: src and dst are the same slot {src}")
+            if not 0 < tokens <= source.tokens:
+                raise ValueError(f"share_prefix: tokens={tokens} outside (0, {source.tokens}] held by slot {src}")
+            n = self.spec.pages_for(tokens)
+            for index in range(n):
+                page = source.pages[index]
+                if index >= len(target.pages):
+                    self._link(dst, index, page)
+                elif target.pages[index] != page:
+                    self._replace(dst, index, page)
+            target.tokens = tokens
+
+    def reclaim(self, pages: int) -> int:
+        """Let go of pages that free slots still hold until ``pages`` physical pages went back to the
+        pool (or none are left); returns the physical pages freed."""
+        if pages < 0:
+            raise ValueError(f"reclaim: pages must be >= 0, got {pages}")
+        with self._lock:
+            return self._reclaim(pages)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_tokens(self, tokens: int, name: str) -> None:
+        if not isinstance(tokens, int) or not 0 <= tokens <= self.spec.max_tokens:
+            raise ValueError(f"{name}={tokens!r} outside [0, max_tokens={self.spec.max_tokens}]")
+
+    def _in_use(self, slot: int) -> SlotState:
+        if not isinstance(slot, int) or not 0 <= slot < len(self._slots):
+            raise ValueError(f"unknown slot {slot!r}: slots are 0..{len(self._slots) - 1}")
+        state = self._slots[slot]
+        if not state.in_use:
+            raise ValueError(f"slot {slot} is not in use (never allocated, or freed twice)")
+        return state
+
+    def _link(self, slot: int, index: int, page: Page) -> None:
+        self._slots[slot].pages.append(page)
+        self._refs[page] += 1
+        self._attach(slot, index, page)
+
+    def _unlink(self, slot: int, index: int) -> None:
+        page = self._slots[slot].pages[index]
+        self._detach(slot, index, page)
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            del self._refs[page]
+            self._give(page)
+
+    def _drop_tail(self, slot: int, keep: int) -> None:
+        pages = self._slots[slot].pages
+        while len(pages) > keep:
+            self._unlink(slot, len(pages) - 1)
+            pages.pop()
+
+    def _copy_on_write(self, slot: int, state: SlotState, index: int) -> None:
+        old = state.pages[index]
+        (new,) = self._take(1)
+        # Stale bytes beyond the slot's valid tokens need no copy.
+        token_bytes, page_bytes = self._page_tokens_bytes()
+        if state.tokens * token_bytes > index * page_bytes:
+            self._copy(slot, index, old, new)
+        self._replace(slot, index, new)
+
+    def _replace(self, slot: int, index: int, page: Page) -> None:
+        self._unlink(slot, index)
+        self._slots[slot].pages[index] = page
+        self._refs[page] += 1
+        self._attach(slot, index, page)
+
+    def _reclaimable(self) -> int:
+        """Slot pages freed if every free slot let go of all its pages."""
+        held = Counter(p for s in self._slots if not s.in_use for p in s.pages)
+        return sum(1 for page, n in held.items() if self._refs[page] == n)
+
+    def _make_room(self, pages: int, what: str) -> None:
+        free = self._free_pages()
+        if pages <= free:
+            return
+        available = free + self._reclaimable()
+        if pages > available:
+            unit = self.units_per_page
+            raise KVCacheExhausted(pages * unit, available * unit, what)
+        self._reclaim((pages - free) * self.units_per_page)
+        assert self._free_pages() >= pages, "reclaim freed less than it counted"
+
+    def _reclaim(self, units: int) -> int:
+        start = self._free_pages()
+        while (self._free_pages() - start) * self.units_per_page < units:
+            holders = [i for i, s in enumerate(self._slots) if not s.in_use and s.pages]
+            if not holders:
+                break
+            slot = max(holders, key=lambda i: len(self._slots[i].pages))
+            self._drop_tail(slot, len(self._slots[slot].pages) - 1)
+        return (self._free_pages() - start) * self.units_per_page
+
+    # -- stats ---------------------------------------------------------------------------------
+    def add_stall(self, seconds: float) -> None:
+        """Record time a caller waited for mapping it needed (the ``AsyncMapper`` reports here)."""
+        with self._lock:
+            self._counters.stall_seconds += seconds
+
+    def stats(self) -> KVCacheStats:
+        """A consistent snapshot of memory and activity."""
+        with self._lock:
+            token_bytes, page_bytes = self._page_tokens_bytes()
+            valid: dict[Page, int] = {}
+            for state in self._slots:
+                if not state.in_use:
+                    continue
+                for index, page in enumerate(state.pages):
+                    on_page = min(page_bytes, max(0, state.tokens * token_bytes - index * page_bytes))
+                    valid[page] = max(valid.get(page, 0), on_page)
+            buffers = self.spec.num_buffers
+            reserved, pool = self._pool_stats()
+            c = self._counters
+            return KVCacheStats(
+                reserved_bytes=reserved,
+                pool_bytes=pool,
+                mapped_bytes=len(self._refs) * page_bytes * buffers,
+                used_bytes=sum(valid.values()) * buffers,
+                free_pages=self._free_pages() * self.units_per_page,
+                slots_in_use=sum(s.in_use for s in self._slots),
+                maps=c.maps,
+                unmaps=c.unmaps,
+                map_latency_us=tuple(c.map_latency_us),
+                stall_seconds=c.stall_seconds,
+            )

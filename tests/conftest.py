@@ -1,0 +1,89 @@
+"""Shared factories. Every kvmem test runs on HostVMM; the ``cuda`` variants (``pytest -m gpu``) run the
+same test on CudaVMM and are skipped, with the reason, where no CUDA device is present."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from kvmem import HostVMM, KVCacheSpec, VirtualKVCache
+
+BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def cuda_missing() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return "cuda-bindings not installed"
+    return None
+
+
+def make_vmm(backend: str):
+    if backend == "host":
+        return HostVMM()
+    reason = cuda_missing()
+    if reason:
+        pytest.skip(reason)
+    from kvmem.vmm.cuda import CudaVMM
+
+    return CudaVMM(0)
+
+
+def make_spec(backend: str, layout: str = "mega", *, max_slots: int = 4, pages_per_slot: int = 4) -> KVCacheSpec:
+    """A small spec whose page holds a few hundred tokens or fewer on either backend."""
+    heads, dim, page = (2, 16, 4096) if backend == "host" else (8, 128, 2 << 20)
+    probe = KVCacheSpec(2, heads, dim, torch.float32, 1, 1, layout, page)
+    tokens_per_page = page // probe.token_bytes
+    return KVCacheSpec(2, heads, dim, torch.float32, max_slots, pages_per_slot * tokens_per_page, layout, page)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    if request.param == "cuda" and cuda_missing():
+        pytest.skip(cuda_missing())
+    return request.param
+
+
+@pytest.fixture
+def cache_factory(backend):
+    """``cache_factory(layout="mega", pool_groups=16, **spec_kwargs)`` -> VirtualKVCache, closed after the test."""
+    made = []
+
+    def factory(layout: str = "mega", pool_groups: int = 16, zero_unmapped: bool = True, **spec_kwargs):
+        spec = make_spec(backend, layout, **spec_kwargs)
+        cache = VirtualKVCache(spec, pool_groups * spec.num_buffers * spec.page_size, make_vmm(backend), zero_unmapped=zero_unmapped)
+        made.append(cache)
+        return cache
+
+    yield factory
+    for cache in made:
+        cache.close()
+
+
+def tokens_per_page(cache) -> int:
+    return cache.spec.page_size // cache.spec.token_bytes
+
+
+def check_invariants(cache) -> None:
+    """Every used token is backed; no page owned twice unless shared (and then counted); free + mapped = pool."""
+    refs = Counter(page for state in cache._slots for page in state.pages)
+    assert refs == cache._refs, "reference counts disagree with the slots' pages"
+    for state in cache._slots:
+        if state.in_use:
+            assert len(state.pages) >= cache.spec.pages_for(state.tokens), "a used token is not backed"
+        else:
+            assert state.tokens == 0
+    if isinstance(cache, VirtualKVCache):
+        physical = [p for group in refs for p in group]
+        assert len(physical) == len(set(physical)), "a physical page sits in two different groups"
+        assert not set(physical) & set(cache._pool._free), "a mapped page is also free"
+        assert cache._pool.num_free + len(physical) == cache._pool.num_pages
+    else:
+        blocks = list(refs)
+        assert not set(blocks) & set(cache._free)
+        assert len(cache._free) + len(blocks) == cache.num_blocks

@@ -1,0 +1,295 @@
+"""VirtualKVCache behaviour over real virtual memory (HostVMM; CudaVMM with -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmem import KVCacheError, KVCacheExhausted, KVCacheSpec, VirtualKVCache
+from tests.conftest import check_invariants, make_spec, make_vmm, tokens_per_page
+
+LAYOUTS = ["mega", "per_layer"]
+
+
+def fill(cache, slot: int, start: int, stop: int, tag: float) -> None:
+    """Write a distinct value per (slot tag, layer, K/V, token) through the torch views."""
+    for layer in range(cache.spec.num_layers):
+        values = tag + layer * 0.25 + torch.arange(start, stop, dtype=torch.float32, device=cache.device)
+        cache.k(layer)[slot, start:stop] = values[:, None, None]
+        cache.v(layer)[slot, start:stop] = -values[:, None, None]
+
+
+def expected(cache, start: int, stop: int, tag: float, layer: int) -> torch.Tensor:
+    return tag + layer * 0.25 + torch.arange(start, stop, dtype=torch.float32)
+
+
+def assert_holds(cache, slot: int, start: int, stop: int, tag: float) -> None:
+    for layer in range(cache.spec.num_layers):
+        want = expected(cache, start, stop, tag, layer)
+        k = cache.k(layer)[slot, start:stop].cpu()
+        v = cache.v(layer)[slot, start:stop].cpu()
+        assert torch.equal(k, want[:, None, None].expand_as(k)), f"K of layer {layer} differs"
+        assert torch.equal(v, -want[:, None, None].expand_as(v)), f"V of layer {layer} differs"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_views_have_the_model_shape(cache_factory, layout):
+    cache = cache_factory(layout)
+    s = cache.spec
+    for layer in range(s.num_layers):
+        assert cache.k(layer).shape == (s.max_slots, s.max_tokens, s.num_kv_heads, s.head_dim)
+        assert cache.v(layer).dtype == s.dtype
+    with pytest.raises(ValueError, match="layer 2 outside"):
+        cache.k(2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_data_reads_back_across_pages_and_after_growth(cache_factory, layout):
+    cache = cache_factory(layout)
+    tpp = tokens_per_page(cache)
+    slot = cache.alloc_slot(tpp)
+    cache.ensure(slot, tpp + tpp // 2)  # crosses a page boundary
+    fill(cache, slot, 0, tpp + tpp // 2, tag=100.0)
+    cache.ensure(slot, 3 * tpp + 1)  # maps two more pages under data already written
+    fill(cache, slot, tpp + tpp // 2, 3 * tpp + 1, tag=100.0)
+    assert_holds(cache, slot, 0, 3 * tpp + 1, tag=100.0)
+    assert cache.stats().mapped_bytes == 4 * cache.spec.page_size * cache.spec.num_buffers
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_slots_do_not_overlap(cache_factory, layout):
+    cache = cache_factory(layout)
+    tpp = tokens_per_page(cache)
+    slots = [cache.alloc_slot() for _ in range(cache.spec.max_slots)]
+    for i, slot in enumerate(slots):
+        cache.ensure(slot, 2 * tpp)
+        fill(cache, slot, 0, 2 * tpp, tag=1000.0 * (i + 1))
+    for i, slot in enumerate(slots):
+        assert_holds(cache, slot, 0, 2 * tpp, tag=1000.0 * (i + 1))
+
+
+def test_unmapped_reads_see_zeros_and_reused_pages_are_real(cache_factory):
+    cache = cache_factory()
+    tpp = tokens_per_page(cache)
+    assert torch.count_nonzero(cache.k(0)[:, :].cpu()) == 0  # nothing mapped: every read is the zero page
+    slot = cache.alloc_slot()
+    cache.ensure(slot, tpp)
+    fill(cache, slot, 0, tpp, tag=7.0)
+    assert torch.count_nonzero(cache.k(0)[slot, tpp:].cpu()) == 0  # beyond the mapped page
+    cache.free_slot(slot)
+    assert cache.reclaim(cache.spec.num_buffers) == cache.spec.num_buffers
+    assert torch.count_nonzero(cache.k(1)[slot].cpu()) == 0  # unmapped again: zeros, no fault
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shared_page_is_visible_in_both_slots_and_isolated_after_cow(cache_factory, layout):
+    cache = cache_factory(layout)
+    tpp = tokens_per_page(cache)
+    src = cache.alloc_slot()
+    cache.ensure(src, tpp + tpp // 2)
+    fill(cache, src, 0, tpp + tpp // 2, tag=10.0)
+    dst = cache.alloc_slot()
+    mapped_before = cache.stats().mapped_bytes
+    cache.share_prefix(src, dst, tpp + tpp // 2)
+    assert cache.stats().mapped_bytes == mapped_before  # sharing maps, it does not allocate
+    assert_holds(cache, dst, 0, tpp + tpp // 2, tag=10.0)
+    # A write through src into a still-shared page is seen through dst: the page is one memory.
+    cache.k(0)[src, 1] = 5.0
+    assert float(cache.k(0)[dst, 1, 0, 0]) == 5.0
+    cache.k(0)[src, 1] = 10.0 + 1
+    # dst appends into the shared partial page: copy-on-write gives it its own copy first.
+    cache.ensure(dst, 2 * tpp)
+    assert cache.stats().mapped_bytes == mapped_before + cache.spec.page_size * cache.spec.num_buffers
+    fill(cache, dst, tpp + tpp // 2, 2 * tpp, tag=99.0)
+    assert_holds(cache, dst, 0, tpp + tpp // 2, tag=10.0)  # copied content
+    assert_holds(cache, src, 0, tpp + tpp // 2, tag=10.0)  # source untouched by dst's writes
+    # The fully shared first page stays shared: a write to it through dst is a write to src.
+    cache.k(1)[dst, 0] = -3.0
+    assert float(cache.k(1)[src, 0, 0, 0]) == -3.0
+    check_invariants(cache)
+
+
+def test_source_write_into_shared_page_copies_too(cache_factory):
+    cache = cache_factory()
+    tpp = tokens_per_page(cache)
+    src = cache.alloc_slot()
+    cache.ensure(src, tpp // 2)
+    fill(cache, src, 0, tpp // 2, tag=1.0)
+    dst = cache.alloc_slot()
+    cache.share_prefix(src, dst, tpp // 2)
+    cache.ensure(src, tpp)  # src appends into the page dst shares
+    fill(cache, src, tpp // 2, tpp, tag=50.0)
+    assert_holds(cache, dst, 0, tpp // 2, tag=1.0)
+    assert torch.count_nonzero(cache.k(0)[dst, tpp // 2 : tpp].cpu() - 50.0 - tpp // 2) > 0
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_accounting_returns_to_zero(cache_factory, layout):
+    cache = cache_factory(layout)
+    tpp = tokens_per_page(cache)
+    pool = cache.stats().pool_bytes
+    a, b = cache.alloc_slot(), cache.alloc_slot()
+    cache.ensure(a, 2 * tpp + 3)
+    cache.share_prefix(a, b, tpp + 1)
+    cache.ensure(b, tpp + 5)
+    stats = cache.stats()
+    assert stats.slots_in_use == 2
+    # b copied its second page (5 tokens on it); the shared first page counts once
+    assert stats.used_bytes == (2 * tpp + 3 + 5) * cache.spec.bytes_per_token
+    cache.free_slot(a)
+    cache.free_slot(b)
+    mapped = cache.stats().mapped_bytes
+    assert mapped == 4 * cache.spec.num_buffers * cache.spec.page_size  # deferred: still mapped
+    assert cache.reclaim(10**9) == mapped // cache.spec.page_size
+    stats = cache.stats()
+    assert (stats.mapped_bytes, stats.used_bytes, stats.slots_in_use) == (0, 0, 0)
+    assert stats.free_pages * cache.spec.page_size == pool
+    assert stats.maps == stats.unmaps
+    check_invariants(cache)
+
+
+def test_exhausted_raises_with_numbers_and_leaves_state_unchanged(cache_factory):
+    cache = cache_factory(pool_groups=3)
+    tpp = tokens_per_page(cache)
+    a = cache.alloc_slot()
+    cache.ensure(a, 2 * tpp)
+    fill(cache, a, 0, 2 * tpp, tag=3.0)
+    b = cache.alloc_slot()
+    before = cache.stats()
+    slots_before = [(s.in_use, s.tokens, list(s.pages)) for s in cache._slots]
+    with pytest.raises(KVCacheExhausted) as info:
+        cache.ensure(b, 3 * tpp)
+    nb = cache.spec.num_buffers
+    assert (info.value.needed_pages, info.value.free_pages) == (3 * nb, nb)
+    assert f"needs {3 * nb} physical pages, {nb} free or reclaimable" in str(info.value)
+    assert cache.stats() == before
+    assert [(s.in_use, s.tokens, list(s.pages)) for s in cache._slots] == slots_before
+    assert_holds(cache, a, 0, 2 * tpp, tag=3.0)
+    cache.ensure(b, tpp)  # what fits still works
+
+
+def test_ensure_reclaims_pages_of_free_slots_when_short(cache_factory):
+    cache = cache_factory(pool_groups=4)
+    tpp = tokens_per_page(cache)
+    a = cache.alloc_slot()
+    cache.ensure(a, 3 * tpp)
+    cache.free_slot(a)
+    b = cache.alloc_slot(0)  # best fit for 0 pages: an empty slot, not a
+    assert b != a
+    cache.ensure(b, 4 * tpp)  # needs a's deferred pages
+    assert len(cache._slots[a].pages) == 0
+    check_invariants(cache)
+
+
+def test_alloc_prefers_best_fitting_mapped_slot(cache_factory):
+    cache = cache_factory(pool_groups=16)
+    tpp = tokens_per_page(cache)
+    slots = [cache.alloc_slot() for _ in range(3)]
+    for slot, pages in zip(slots, (1, 3, 2)):
+        cache.ensure(slot, pages * tpp)
+    for slot in slots:
+        cache.free_slot(slot)
+    maps = cache.stats().maps
+    assert cache.alloc_slot(2 * tpp) == slots[2]  # 2 pages fits 2 exactly
+    assert cache.alloc_slot(4 * tpp) == slots[1]  # none covers 4: the most mapped
+    reused = cache.alloc_slot(1)
+    assert reused == slots[0]
+    cache.ensure(reused, tpp)
+    assert cache.stats().maps == maps  # reused pages: no mapping at all
+
+
+def test_bad_input_names_the_value(cache_factory):
+    cache = cache_factory()
+    s = cache.spec
+    with pytest.raises(ValueError, match=r"unknown slot 99"):
+        cache.ensure(99, 1)
+    with pytest.raises(ValueError, match=r"slot 0 is not in use"):
+        cache.ensure(0, 1)
+    slot = cache.alloc_slot()
+    with pytest.raises(ValueError, match=rf"num_tokens={s.max_tokens + 1} outside \[0, max_tokens={s.max_tokens}\]"):
+        cache.ensure(slot, s.max_tokens + 1)
+    with pytest.raises(ValueError, match=r"expected_tokens=-1"):
+        cache.alloc_slot(-1)
+    cache.free_slot(slot)
+    with pytest.raises(ValueError, match=r"slot 0 is not in use \(never allocated, or freed twice\)"):
+        cache.free_slot(slot)
+    slot = cache.alloc_slot()
+    cache.ensure(slot, 4)
+    with pytest.raises(ValueError, match=r"write of 2 tokens at 3 into slot 0 outside the 4 tokens"):
+        cache.write(0, slot, 3, torch.zeros(2, s.num_kv_heads, s.head_dim), torch.zeros(2, s.num_kv_heads, s.head_dim))
+    with pytest.raises(ValueError, match=r"share_prefix: tokens=5 outside \(0, 4\]"):
+        cache.share_prefix(slot, cache.alloc_slot(), 5)
+    while True:
+        try:
+            cache.alloc_slot()
+        except KVCacheError as exc:
+            assert f"all {s.max_slots} slots are in use" in str(exc)
+            break
+
+
+def test_write_stores_through_the_checked_path(cache_factory):
+    cache = cache_factory()
+    s = cache.spec
+    slot = cache.alloc_slot()
+    cache.ensure(slot, 6)
+    k = torch.randn(6, s.num_kv_heads, s.head_dim, device=cache.device)
+    cache.write(1, slot, 0, k, -k)
+    assert torch.equal(cache.k(1)[slot, :6], k)
+    assert torch.equal(cache.v(1)[slot, :6], -k)
+
+
+def test_spec_beyond_the_virtual_space_is_rejected(backend):
+    vmm = make_vmm(backend)
+    huge = KVCacheSpec(80, 64, 256, torch.float32, max_slots=1 << 14, max_tokens=1 << 20, layout="per_layer", page_size=2 << 20)
+    with pytest.raises(KVCacheError, match=r"does not fit the virtual address space: 160 buffers of \d+ bytes"):
+        VirtualKVCache(huge, 0, vmm, zero_unmapped=False)
+
+
+def test_page_size_must_match_backend_granularity(backend):
+    vmm = make_vmm(backend)
+    spec = make_spec(backend)
+    if vmm.granularity == 4096:
+        pytest.skip("every legal page size is a multiple of 4 KiB")
+    small = KVCacheSpec(2, 2, 16, torch.float32, 2, 64, "mega", vmm.granularity // 2)
+    with pytest.raises(ValueError, match="not a multiple of the backend granularity"):
+        VirtualKVCache(small, 0, vmm)
+    assert spec.page_size % vmm.granularity == 0
+
+
+def test_grow_and_shrink_give_memory_back(cache_factory):
+    cache = cache_factory(pool_groups=2)
+    page = cache.spec.page_size
+    nb = cache.spec.num_buffers
+    assert cache.grow(2 * nb * page) == 2 * nb * page
+    assert cache.stats().pool_bytes == 4 * nb * page
+    slot = cache.alloc_slot()
+    cache.ensure(slot, 3 * tokens_per_page(cache))
+    # Only unmapped pages can go: one group is free.
+    assert cache.shrink(4 * nb * page) == nb * page
+    assert cache.stats().pool_bytes == 3 * nb * page
+    assert cache.stats().free_pages == 0
+    cache.free_slot(slot)
+    assert cache.shrink(nb * page) == 0  # deferred pages are still mapped
+    cache.reclaim(nb)
+    assert cache.shrink(nb * page) == nb * page
+    check_invariants(cache)
+
+
+def test_eager_map_prepares_free_slots(cache_factory):
+    cache = cache_factory(pool_groups=5)
+    tpp = tokens_per_page(cache)
+    assert cache.eager_map(2 * tpp, slots=2) == 4
+    maps = cache.stats().maps
+    slot = cache.alloc_slot(2 * tpp)
+    cache.ensure(slot, 2 * tpp)
+    assert cache.stats().maps == maps  # the request found its pages mapped
+    assert cache.eager_map(2 * tpp, slots=3) == 1  # best effort: only one free group left
+    check_invariants(cache)
+
+
+def test_strided_mega_view_is_layer_major(cache_factory):
+    cache = cache_factory("mega")
+    assert cache.k(1).stride(1) == cache.spec.num_layers * cache.spec.num_kv_heads * cache.spec.head_dim
+    assert cache.k(1).data_ptr() - cache.k(0).data_ptr() == cache.spec.num_kv_heads * cache.spec.head_dim * 4
