@@ -164,6 +164,9 @@ class VirtualKVCache(SlotCache):
     def _free_pages(self) -> int:
         return self._pool.num_free // self.spec.num_buffers
 
+    def _free_physical(self) -> int:
+        return self._pool.num_free
+
     def _va(self, buffer: int, slot: int, index: int) -> int:
         return self._bases[buffer] + slot * self.spec.slot_bytes + index * self.spec.page_size
 

@@ -57,6 +57,10 @@ class SlotCache(ABC):
     def _free_pages(self) -> int:
         """Slot pages the pool can hand out now."""
 
+    def _free_physical(self) -> int:
+        """Physical pages free in the pool (may exceed whole slot pages' worth)."""
+        return self._free_pages() * self.units_per_page
+
     @abstractmethod
     def _attach(self, slot: int, index: int, page: Page) -> None:
         """Make ``page`` back page ``index`` of ``slot``."""
@@ -264,7 +268,7 @@ class SlotCache(ABC):
                 pool_bytes=pool,
                 mapped_bytes=len(self._refs) * page_bytes * buffers,
                 used_bytes=sum(valid.values()) * buffers,
-                free_pages=self._free_pages() * self.units_per_page,
+                free_pages=self._free_physical(),
                 slots_in_use=sum(s.in_use for s in self._slots),
                 maps=c.maps,
                 unmaps=c.unmaps,
