@@ -22,7 +22,8 @@ class VirtualKVCache(SlotCache):
     ``max_slots`` slot rows. Page i of a slot is a group of physical pages, one per buffer, mapped at the
     same offset of every buffer, so a slot's tokens are backed in all layers at once.
 
-    ``pool_bytes`` of physical pages are created up front (``grow``/``shrink`` change that later).
+    ``vmm`` defaults to host memory (``HostVMM``); pass ``CudaVMM`` for the GPU. The cache closes only a
+    backend it created. ``pool_bytes`` of physical pages are created up front (``grow``/``shrink`` change that later).
     ``zero_unmapped`` maps a shared read-only zero page over every unmapped page, so a stray read of a
     view sees zeros rather than faulting (free on the host; on the GPU it adds a map per unmap and an
     unmap per map -- see bench/README.md for the measured cost).
@@ -43,6 +44,7 @@ class VirtualKVCache(SlotCache):
         if pool_bytes < 0:
             raise ValueError(f"pool_bytes must be >= 0, got {pool_bytes}")
         super().__init__(spec)
+        self._owns_vmm = vmm is None
         self._vmm = vmm if vmm is not None else default_vmm()
         if spec.page_size % self._vmm.granularity:
             raise ValueError(
@@ -216,7 +218,8 @@ class VirtualKVCache(SlotCache):
             self._pool.close()
             self._vmm.free(self._scratch_va, self.spec.page_size)
             self._free_reservations()
-            self._vmm.close()
+            if self._owns_vmm:
+                self._vmm.close()
 
     def __enter__(self) -> "VirtualKVCache":
         return self

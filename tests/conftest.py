@@ -63,6 +63,7 @@ def cache_factory(backend):
     yield factory
     for cache in made:
         cache.close()
+        cache._vmm.close()
 
 
 def tokens_per_page(cache) -> int:

@@ -35,6 +35,7 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.virtual:
             self.cache.close()
+            self.cache._vmm.close()
 
     tokens = st.integers(min_value=0, max_value=10**6)
 

@@ -1,0 +1,47 @@
+"""Writing benchmark results: a printed table plus bench/results/<name>.json with where and how it ran."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    """Device, date, versions and command line of this run."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("cuda-bindings", "vattn"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+        versions["cuda"] = torch.version.cuda
+    else:
+        device = f"cpu ({platform.processor() or platform.machine()})"
+    return {
+        "device": device,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def write(name: str, headers: list[str], rows: list[list], data: dict, out_dir: Path = RESULTS) -> Path:
+    """Print ``rows`` as a table and save it with ``data`` and the environment as ``<name>.json``."""
+    print(tabulate(rows, headers=headers, floatfmt=".3f"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    payload = {**environment(), "table": {"headers": headers, "rows": rows}, **data}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path

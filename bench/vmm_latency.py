@@ -1,0 +1,157 @@
+"""CUDA VMM latency: raw driver calls against one page through our layer (VirtualKVCache.ensure).
+
+Per page size (2, 4, 8 MiB): median and p99 microseconds per call of cuMemCreate / cuMemMap /
+cuMemSetAccess / cuMemUnmap / cuMemRelease, then the cost of one ``ensure()`` that backs one more page of
+a slot (a K and a V page in the mega layout) next to the same driver calls made bare, with and without
+the read-only zero page over unmapped space. Also the start-up cost of zero-backing a reservation.
+
+    python bench/vmm_latency.py [--pages 256] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import report
+from kvmem import KVCacheSpec, VirtualKVCache
+from kvmem.vmm.cuda import CudaVMM, cu
+
+MiB = 1 << 20
+
+
+def summary(samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    return {
+        "median_us": statistics.median(ordered),
+        "p99_us": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "samples_us": [round(s, 2) for s in samples],
+    }
+
+
+def timed(fn, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        start = time.perf_counter()
+        fn(i)
+        out.append((time.perf_counter() - start) * 1e6)
+    return out
+
+
+def raw_calls(vmm: CudaVMM, page: int, n: int) -> dict:
+    """Each driver call on its own, ``n`` pages, through cuda-bindings directly."""
+    check = vmm._check
+    va = int(check(cu.cuMemAddressReserve(page * n, 0, 0, 0), "cuMemAddressReserve"))
+    handles: list = [None] * n
+    desc = [vmm._rw]
+    out = {
+        "create": timed(lambda i: handles.__setitem__(i, check(cu.cuMemCreate(page, vmm._prop, 0), "cuMemCreate")), n),
+        "map": timed(lambda i: check(cu.cuMemMap(va + i * page, page, 0, handles[i], 0), "cuMemMap"), n),
+        "set_access": timed(lambda i: check(cu.cuMemSetAccess(va + i * page, page, desc, 1), "cuMemSetAccess"), n),
+        "unmap": timed(lambda i: check(cu.cuMemUnmap(va + i * page, page), "cuMemUnmap"), n),
+        "release": timed(lambda i: check(cu.cuMemRelease(handles[i]), "cuMemRelease"), n),
+    }
+    check(cu.cuMemAddressFree(va, page * n), "cuMemAddressFree")
+    return out
+
+
+def raw_group(vmm: CudaVMM, page: int, n: int, buffers: int, zero: bool) -> list[float]:
+    """What one ensure() of one page must do at the driver, timed bare: per buffer (unmap the zero
+    page,) map, set access."""
+    check = vmm._check
+    vas = [int(check(cu.cuMemAddressReserve(page * n, 0, 0, 0), "cuMemAddressReserve")) for _ in range(buffers)]
+    handles = [[check(cu.cuMemCreate(page, vmm._prop, 0), "cuMemCreate") for _ in range(buffers)] for _ in range(n)]
+    if zero:
+        for va in vas:
+            for i in range(n):
+                vmm.map_zero(va + i * page, page)
+
+    def one(i: int) -> None:
+        for b, va in enumerate(vas):
+            addr = va + i * page
+            if zero:
+                check(cu.cuMemUnmap(addr, page), "cuMemUnmap")
+            check(cu.cuMemMap(addr, page, 0, handles[i][b], 0), "cuMemMap")
+            check(cu.cuMemSetAccess(addr, page, [vmm._rw], 1), "cuMemSetAccess")
+
+    samples = timed(one, n)
+    for i in range(n):
+        for b, va in enumerate(vas):
+            check(cu.cuMemUnmap(va + i * page, page), "cuMemUnmap")
+            check(cu.cuMemRelease(handles[i][b]), "cuMemRelease")
+    for va in vas:
+        check(cu.cuMemAddressFree(va, page * n), "cuMemAddressFree")
+    return samples
+
+
+def spec_for(page: int, pages_per_slot: int) -> KVCacheSpec:
+    # Llama-3-8B's KV shape in the mega layout: 32 layers x 8 heads x 128 x bf16 = 64 KiB per token.
+    probe = KVCacheSpec(32, 8, 128, torch.bfloat16, 1, 1, "mega", page)
+    return KVCacheSpec(32, 8, 128, torch.bfloat16, 2, pages_per_slot * page // probe.token_bytes, "mega", page)
+
+
+def layer_ensure(vmm: CudaVMM, page: int, n: int, zero: bool) -> dict:
+    """One ensure() per page of growth, then one reclaim() per page, through VirtualKVCache."""
+    spec = spec_for(page, n)
+    start = time.perf_counter()
+    cache = VirtualKVCache(spec, n * spec.num_buffers * page, vmm, zero_unmapped=zero)
+    setup_s = time.perf_counter() - start
+    slot = cache.alloc_slot()
+    tpp = page // spec.token_bytes
+    ensure = timed(lambda i: cache.ensure(slot, (i + 1) * tpp), n)
+    cache.free_slot(slot)
+    reclaim = timed(lambda i: cache.reclaim(spec.num_buffers), n)
+    assert cache.stats().mapped_bytes == 0
+    cache.close()
+    return {"ensure": ensure, "reclaim": reclaim, "setup_s": setup_s, "reserved_bytes": spec.reserved_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pages", type=int, default=256)
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--out", type=Path, default=report.RESULTS)
+    args = parser.parse_args()
+    vmm = CudaVMM(0)
+    n = args.pages
+    raw_calls(vmm, 2 * MiB, 16)  # warm-up: driver paths, first-touch costs
+    layer_ensure(vmm, 2 * MiB, 16, zero=False)
+    rows, data = [], {"pages_per_run": n, "results": {}}
+    for mib in args.sizes_mib:
+        page = mib * MiB
+        raw = {name: summary(s) for name, s in raw_calls(vmm, page, n).items()}
+        result: dict = {"raw": raw}
+        for zero in (False, True):
+            ours = layer_ensure(vmm, page, n, zero)
+            bare = summary(raw_group(vmm, page, n, buffers=2, zero=zero))
+            key = "zero_page" if zero else "no_zero_page"
+            result[key] = {
+                "ensure": summary(ours["ensure"]),
+                "reclaim": summary(ours["reclaim"]),
+                "bare_driver_same_calls": bare,
+                "overhead_us_per_ensure": statistics.median(ours["ensure"]) - bare["median_us"],
+                "setup_s": ours["setup_s"],
+                "setup_us_per_page": ours["setup_s"] * 1e6 * page / ours["reserved_bytes"],
+                "reserved_bytes": ours["reserved_bytes"],
+            }
+        data["results"][f"{mib}MiB"] = result
+        row = [f"{mib} MiB"] + [raw[c]["median_us"] for c in ("create", "map", "set_access", "unmap", "release")]
+        row += [raw[c]["p99_us"] for c in ("map", "set_access")]
+        for key in ("no_zero_page", "zero_page"):
+            r = result[key]
+            row += [r["ensure"]["median_us"], r["bare_driver_same_calls"]["median_us"], r["overhead_us_per_ensure"]]
+        row.append(result["zero_page"]["setup_us_per_page"] - result["no_zero_page"]["setup_us_per_page"])
+        rows.append(row)
+    headers = ["page", "create", "map", "set_acc", "unmap", "release", "map p99", "set_acc p99",
+               "ensure", "bare 2x(map+acc)", "overhead", "ensure+zero", "bare 2x(unmap+map+acc)", "overhead+zero", "zero setup/page"]
+    print("median µs per call (p99 where named); ensure() backs one page in K and in V (mega layout)")
+    report.write("vmm_latency", headers, rows, data, args.out)
+    vmm.close()
+
+
+if __name__ == "__main__":
+    main()
