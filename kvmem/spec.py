@@ -55,7 +55,7 @@ class KVCacheSpec:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def layers_per_buffer(self) -> int:
