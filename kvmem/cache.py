@@ -43,7 +43,7 @@ class VirtualKVCache(SlotCache):
             raise ValueError("VirtualKVCache takes layout 'per_layer' or 'mega'; use PagedKVCache for 'paged'")
         if pool_bytes < 0:
             raise ValueError(f"pool_bytes must be >= 0, got {pool_bytes}")
-        super().__init__(spec)
+        super().__init__(spec, spec.token_bytes, spec.page_size)
         self._owns_vmm = vmm is None
         self._vmm = vmm if vmm is not None else default_vmm()
         if spec.page_size % self._vmm.granularity:
@@ -173,13 +173,14 @@ class VirtualKVCache(SlotCache):
         return self._bases[buffer] + slot * self.spec.slot_bytes + index * self.spec.page_size
 
     def _attach(self, slot: int, index: int, page: Group) -> None:
-        size = self.spec.page_size
+        # The hot path of ensure(): kept to the driver calls and little else.
+        size, vmm, handle = self._page_bytes, self._vmm, self._pool.handle
+        offset = slot * self.spec.slot_bytes + index * size
         start = time.perf_counter()
-        for buffer, physical in enumerate(page):
-            va = self._va(buffer, slot, index)
+        for base, physical in zip(self._bases, page):
             if self.zero_unmapped:
-                self._vmm.unmap(va, size)
-            self._vmm.map(va, size, self._pool.handle(physical))
+                vmm.unmap(base + offset, size)
+            vmm.map(base + offset, size, handle(physical))
         self._counters.map_latency_us.append((time.perf_counter() - start) * 1e6)
         self._counters.maps += 1
 
@@ -199,9 +200,6 @@ class VirtualKVCache(SlotCache):
             self._vmm.map(self._scratch_va, size, self._pool.handle(physical))
             self._vmm.copy(self._scratch, self._flat[buffer][offset : offset + size])
             self._vmm.unmap(self._scratch_va, size)
-
-    def _page_tokens_bytes(self) -> tuple[int, int]:
-        return self.spec.token_bytes, self.spec.page_size
 
     def _pool_stats(self) -> tuple[int, int]:
         return self.spec.reserved_bytes, self._pool.num_pages * self.spec.page_size

@@ -20,7 +20,7 @@ class PagedKVCache(SlotCache):
     def __init__(self, spec: KVCacheSpec, pool_bytes: int, device: str | torch.device = "cpu"):
         if spec.layout != "paged":
             raise ValueError(f"PagedKVCache needs layout 'paged', got {spec.layout!r}")
-        super().__init__(spec)
+        super().__init__(spec, spec.bytes_per_token // 2, spec.page_size * spec.bytes_per_token // 2)
         self.block_bytes = spec.page_size * spec.bytes_per_token  # K and V, all layers
         self.num_blocks = pool_bytes // self.block_bytes
         if self.num_blocks <= 0:
@@ -108,10 +108,6 @@ class PagedKVCache(SlotCache):
     def _copy(self, slot: int, index: int, src: int, dst: int) -> None:
         self._k[dst] = self._k[src]
         self._v[dst] = self._v[src]
-
-    def _page_tokens_bytes(self) -> tuple[int, int]:
-        token_bytes = self.spec.bytes_per_token // 2
-        return token_bytes, self.block_size * token_bytes
 
     def _pool_stats(self) -> tuple[int, int]:
         return self.num_blocks * self.block_bytes, self.num_blocks * self.block_bytes

@@ -37,8 +37,11 @@ class SlotCache(ABC):
     #: Deferred reclamation: a freed slot keeps its pages for the next request.
     keeps_pages_on_free: bool = False
 
-    def __init__(self, spec: KVCacheSpec):
+    def __init__(self, spec: KVCacheSpec, token_bytes: int, page_bytes: int):
         self.spec = spec
+        # Bytes of one token and of one page in one buffer: where a page's valid data ends.
+        self._token_bytes = token_bytes
+        self._page_bytes = page_bytes
         self._slots = [SlotState() for _ in range(spec.max_slots)]
         self._refs: Counter[Page] = Counter()
         self._lock = threading.RLock()
@@ -72,10 +75,6 @@ class SlotCache(ABC):
     @abstractmethod
     def _copy(self, slot: int, index: int, src: Page, dst: Page) -> None:
         """Copy the contents of ``src`` into ``dst`` (before ``dst`` replaces it in ``slot``)."""
-
-    @abstractmethod
-    def _page_tokens_bytes(self) -> tuple[int, int]:
-        """(bytes of valid data per token in one buffer, bytes of one page in one buffer)."""
 
     @abstractmethod
     def _pool_stats(self) -> tuple[int, int]:
@@ -129,16 +128,16 @@ class SlotCache(ABC):
             need = self.spec.pages_for(num_tokens)
             have = len(state.pages)
             cow = []
-            if num_tokens > state.tokens:
-                token_bytes, page_bytes = self._page_tokens_bytes()
-                first = state.tokens * token_bytes // page_bytes  # the page the next write starts in
+            if num_tokens > state.tokens and have:
+                first = state.tokens * self._token_bytes // self._page_bytes  # where the next write starts
                 cow = [i for i in range(first, min(need, have)) if self._refs[state.pages[i]] > 1]
-            self._make_room(max(0, need - have) + len(cow), f"slot {slot} to hold {num_tokens} tokens")
+            if need > have or cow:
+                self._make_room(max(0, need - have) + len(cow), slot, num_tokens)
             for index in cow:
                 self._copy_on_write(slot, state, index)
-            for index in range(have, need):
-                (page,) = self._take(1)
-                self._link(slot, index, page)
+            if need > have:
+                for index, page in enumerate(self._take(need - have), start=have):
+                    self._link(slot, index, page)
             state.tokens = num_tokens
 
     def share_prefix(self, src: int, dst: int, tokens: int) -> None:
@@ -206,8 +205,7 @@ class SlotCache(ABC):
         old = state.pages[index]
         (new,) = self._take(1)
         # Stale bytes beyond the slot's valid tokens need no copy.
-        token_bytes, page_bytes = self._page_tokens_bytes()
-        if state.tokens * token_bytes > index * page_bytes:
+        if state.tokens * self._token_bytes > index * self._page_bytes:
             self._copy(slot, index, old, new)
         self._replace(slot, index, new)
 
@@ -222,14 +220,14 @@ class SlotCache(ABC):
         held = Counter(p for s in self._slots if not s.in_use for p in s.pages)
         return sum(1 for page, n in held.items() if self._refs[page] == n)
 
-    def _make_room(self, pages: int, what: str) -> None:
+    def _make_room(self, pages: int, slot: int, tokens: int) -> None:
         free = self._free_pages()
         if pages <= free:
             return
         available = free + self._reclaimable()
         if pages > available:
             unit = self.units_per_page
-            raise KVCacheExhausted(pages * unit, available * unit, what)
+            raise KVCacheExhausted(pages * unit, available * unit, f"slot {slot} to hold {tokens} tokens")
         self._reclaim((pages - free) * self.units_per_page)
         assert self._free_pages() >= pages, "reclaim freed less than it counted"
 
@@ -252,7 +250,7 @@ class SlotCache(ABC):
     def stats(self) -> KVCacheStats:
         """A consistent snapshot of memory and activity."""
         with self._lock:
-            token_bytes, page_bytes = self._page_tokens_bytes()
+            token_bytes, page_bytes = self._token_bytes, self._page_bytes
             valid: dict[Page, int] = {}
             for state in self._slots:
                 if not state.in_use:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -24,7 +25,8 @@ class KVCacheSpec:
         the strided view ``[:, :, i]``, so one page spans all layers;
       * ``paged`` -- the PagedAttention baseline; ``page_size`` is then the block size in tokens.
 
-    For the virtual layouts ``page_size`` is in bytes (a power of two, 4 KiB .. 1 GiB).
+    For the virtual layouts ``page_size`` is in bytes (a power of two, 4 KiB .. 1 GiB). Derived sizes
+    are computed once (the spec is frozen).
     """
 
     num_layers: int
@@ -53,30 +55,30 @@ class KVCacheSpec:
                 f"for layout {self.layout!r}, got {self.page_size}"
             )
 
-    @property
+    @cached_property
     def elem_bytes(self) -> int:
         return self.dtype.itemsize
 
-    @property
+    @cached_property
     def layers_per_buffer(self) -> int:
         return 1 if self.layout == "per_layer" else self.num_layers
 
-    @property
+    @cached_property
     def num_buffers(self) -> int:
         """Virtual reservations (or block pools): 2 per layer, or one K and one V."""
         return 2 * self.num_layers if self.layout == "per_layer" else 2
 
-    @property
+    @cached_property
     def token_bytes(self) -> int:
         """Bytes one token occupies in one buffer."""
         return self.layers_per_buffer * self.num_kv_heads * self.head_dim * self.elem_bytes
 
-    @property
+    @cached_property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the whole cache (K and V, all layers)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.elem_bytes
 
-    @property
+    @cached_property
     def slot_tokens(self) -> int:
         """Rows per slot in a buffer: max_tokens rounded up so that every slot starts on a page.
 
@@ -87,20 +89,20 @@ class KVCacheSpec:
         unit = self.page_size // math.gcd(self.page_size, self.token_bytes)
         return -(-self.max_tokens // unit) * unit
 
-    @property
+    @cached_property
     def slot_bytes(self) -> int:
         return self.slot_tokens * self.token_bytes
 
-    @property
+    @cached_property
     def pages_per_slot(self) -> int:
         return self.slot_bytes // self.page_size
 
-    @property
+    @cached_property
     def buffer_bytes(self) -> int:
         """Virtual bytes one buffer reserves."""
         return self.max_slots * self.slot_bytes
 
-    @property
+    @cached_property
     def reserved_bytes(self) -> int:
         return self.num_buffers * self.buffer_bytes
 
@@ -110,7 +112,7 @@ class KVCacheSpec:
             return -(-tokens // self.page_size)
         return -(-tokens * self.token_bytes // self.page_size)
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         """Physical bytes of one page (virtual layouts) or of one block in one buffer (paged)."""
         return self.page_size * self.token_bytes if self.layout == "paged" else self.page_size

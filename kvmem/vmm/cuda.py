@@ -21,6 +21,9 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
     raise ImportError("CudaVMM needs cuda-bindings: pip install 'vattn[cuda]'") from exc
 
 
+_SUCCESS = cu.CUresult.CUDA_SUCCESS
+
+
 class _ArrayInterface:
     """Exposes a device range to ``torch.as_tensor`` via ``__cuda_array_interface__``."""
 
@@ -59,7 +62,7 @@ class CudaVMM:
     @staticmethod
     def _check(result: Any, call: str, *args: Any) -> Any:
         err, *values = result if isinstance(result, tuple) else (result,)
-        if err != cu.CUresult.CUDA_SUCCESS:
+        if err != _SUCCESS:
             _, name = cu.cuGetErrorName(err)
             shown = ", ".join(hex(a) if isinstance(a, int) and a > 4096 else repr(a) for a in args)
             raise VMMError(f"{call}({shown}) failed: {name.decode() if name else err}")
@@ -93,9 +96,14 @@ class CudaVMM:
         self._check(cu.cuMemRelease(handle), "cuMemRelease")
 
     def map(self, va: int, size: int, handle: Any) -> None:
+        # On every ensure(): the two driver calls, checked, with no other work.
         self._bind()
-        self._check(cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap", va, size)
-        self.set_access(va, size, writable=True)
+        (err,) = cu.cuMemMap(va, size, 0, handle, 0)
+        if err != _SUCCESS:
+            self._check((err,), "cuMemMap", va, size)
+        (err,) = cu.cuMemSetAccess(va, size, [self._rw], 1)
+        if err != _SUCCESS:
+            self._check((err,), "cuMemSetAccess", va, size)
 
     def set_access(self, va: int, size: int, writable: bool) -> None:
         self._bind()
