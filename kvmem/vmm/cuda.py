@@ -131,7 +131,9 @@ class CudaVMM:
 
     def unmap(self, va: int, size: int) -> None:
         self._bind()
-        self._check(cu.cuMemUnmap(va, size), "cuMemUnmap", va, size)
+        (err,) = cu.cuMemUnmap(va, size)
+        if err != _SUCCESS:
+            self._check((err,), "cuMemUnmap", va, size)
 
     def tensor(self, va: int, size: int) -> torch.Tensor:
         g = self.granularity

@@ -293,3 +293,18 @@ def test_strided_mega_view_is_layer_major(cache_factory):
     cache = cache_factory("mega")
     assert cache.k(1).stride(1) == cache.spec.num_layers * cache.spec.num_kv_heads * cache.spec.head_dim
     assert cache.k(1).data_ptr() - cache.k(0).data_ptr() == cache.spec.num_kv_heads * cache.spec.head_dim * 4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cache_maps_exactly_what_the_spec_accounts(cache_factory, layout):
+    """bench/fragmentation.py computes from spec.physical_bytes_for; the cache must map just that."""
+    cache = cache_factory(layout, pool_groups=16, max_slots=8)
+    tpp = tokens_per_page(cache)
+    lengths = [1, tpp - 1, tpp, tpp + 1, 3 * tpp + 7]
+    slots = []
+    for n in lengths:
+        slots.append(cache.alloc_slot())
+        cache.ensure(slots[-1], n)
+    stats = cache.stats()
+    assert stats.mapped_bytes == sum(cache.spec.physical_bytes_for(n) for n in lengths)
+    assert stats.used_bytes == sum(lengths) * cache.spec.bytes_per_token

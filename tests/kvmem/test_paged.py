@@ -72,3 +72,11 @@ def test_bad_spec_and_pool():
         PagedKVCache(KVCacheSpec(2, 2, 4), 1 << 20)
     with pytest.raises(ValueError, match="holds no block"):
         PagedKVCache(SPEC, 10)
+
+
+def test_paged_cache_maps_exactly_what_the_spec_accounts():
+    cache = make(blocks=16)
+    lengths = [1, 16, 17, 50]
+    for n in lengths:
+        cache.ensure(cache.alloc_slot(), n)
+    assert cache.stats().mapped_bytes == sum(SPEC.physical_bytes_for(n) for n in lengths)
