@@ -156,9 +156,9 @@ class VirtualKVCache(SlotCache):
 
     # -- SlotCache hooks -----------------------------------------------------------------------
     def _take(self, n: int) -> list[Group]:
-        nb = self.spec.num_buffers
+        nb = self.units_per_page
         flat = self._pool.take(n * nb)
-        return [flat[i * nb : (i + 1) * nb] for i in range(n)]
+        return [flat[i : i + nb] for i in range(0, n * nb, nb)]
 
     def _give(self, page: Group) -> None:
         self._pool.give(page)

@@ -43,7 +43,7 @@ class SlotCache(ABC):
         self._token_bytes = token_bytes
         self._page_bytes = page_bytes
         self._slots = [SlotState() for _ in range(spec.max_slots)]
-        self._refs: Counter[Page] = Counter()
+        self._refs: dict[Page, int] = {}  # a plain dict: Counter's += costs a Python call per map
         self._lock = threading.RLock()
         self._counters = Counters()
 
@@ -130,7 +130,7 @@ class SlotCache(ABC):
             cow = []
             if num_tokens > state.tokens and have:
                 first = state.tokens * self._token_bytes // self._page_bytes  # where the next write starts
-                cow = [i for i in range(first, min(need, have)) if self._refs[state.pages[i]] > 1]
+                cow = [i for i in range(first, min(need, have)) if self._refs.get(state.pages[i], 0) > 1]
             if need > have or cow:
                 self._make_room(max(0, need - have) + len(cow), slot, num_tokens)
             for index in cow:
@@ -184,7 +184,7 @@ class SlotCache(ABC):
 
     def _link(self, slot: int, index: int, page: Page) -> None:
         self._slots[slot].pages.append(page)
-        self._refs[page] += 1
+        self._refs[page] = self._refs.get(page, 0) + 1
         self._attach(slot, index, page)
 
     def _unlink(self, slot: int, index: int) -> None:
@@ -212,13 +212,13 @@ class SlotCache(ABC):
     def _replace(self, slot: int, index: int, page: Page) -> None:
         self._unlink(slot, index)
         self._slots[slot].pages[index] = page
-        self._refs[page] += 1
+        self._refs[page] = self._refs.get(page, 0) + 1
         self._attach(slot, index, page)
 
     def _reclaimable(self) -> int:
         """Slot pages freed if every free slot let go of all its pages."""
         held = Counter(p for s in self._slots if not s.in_use for p in s.pages)
-        return sum(1 for page, n in held.items() if self._refs[page] == n)
+        return sum(1 for page, n in held.items() if self._refs.get(page, 0) == n)
 
     def _make_room(self, pages: int, slot: int, tokens: int) -> None:
         free = self._free_pages()

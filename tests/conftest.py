@@ -73,7 +73,7 @@ def tokens_per_page(cache) -> int:
 def check_invariants(cache) -> None:
     """Every used token is backed; no page owned twice unless shared (and then counted); free + mapped = pool."""
     refs = Counter(page for state in cache._slots for page in state.pages)
-    assert refs == cache._refs, "reference counts disagree with the slots' pages"
+    assert refs == Counter(cache._refs), "reference counts disagree with the slots' pages"
     for state in cache._slots:
         if state.in_use:
             assert len(state.pages) >= cache.spec.pages_for(state.tokens), "a used token is not backed"
