@@ -44,6 +44,7 @@ class SlotCache(ABC):
         self._page_bytes = page_bytes
         self._slots = [SlotState() for _ in range(spec.max_slots)]
         self._refs: dict[Page, int] = {}  # a plain dict: Counter's += costs a Python call per map
+        self._num_shared = 0  # pages with refcount > 1: while 0, ensure() skips the copy-on-write scan
         self._lock = threading.RLock()
         self._counters = Counters()
 
@@ -128,7 +129,7 @@ class SlotCache(ABC):
             need = self.spec.pages_for(num_tokens)
             have = len(state.pages)
             cow = []
-            if num_tokens > state.tokens and have:
+            if self._num_shared and num_tokens > state.tokens and have:
                 first = state.tokens * self._token_bytes // self._page_bytes  # where the next write starts
                 cow = [i for i in range(first, min(need, have)) if self._refs.get(state.pages[i], 0) > 1]
             if need > have or cow:
@@ -184,14 +185,24 @@ class SlotCache(ABC):
 
     def _link(self, slot: int, index: int, page: Page) -> None:
         self._slots[slot].pages.append(page)
-        self._refs[page] = self._refs.get(page, 0) + 1
+        self._incref(page)
         self._attach(slot, index, page)
+
+    def _incref(self, page: Page) -> None:
+        count = self._refs.get(page, 0) + 1
+        self._refs[page] = count
+        if count == 2:
+            self._num_shared += 1
 
     def _unlink(self, slot: int, index: int) -> None:
         page = self._slots[slot].pages[index]
         self._detach(slot, index, page)
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
+        count = self._refs[page] - 1
+        if count == 1:
+            self._num_shared -= 1
+        if count:
+            self._refs[page] = count
+        else:
             del self._refs[page]
             self._give(page)
 
@@ -212,7 +223,7 @@ class SlotCache(ABC):
     def _replace(self, slot: int, index: int, page: Page) -> None:
         self._unlink(slot, index)
         self._slots[slot].pages[index] = page
-        self._refs[page] = self._refs.get(page, 0) + 1
+        self._incref(page)
         self._attach(slot, index, page)
 
     def _reclaimable(self) -> int:

@@ -74,6 +74,7 @@ def check_invariants(cache) -> None:
     """Every used token is backed; no page owned twice unless shared (and then counted); free + mapped = pool."""
     refs = Counter(page for state in cache._slots for page in state.pages)
     assert refs == Counter(cache._refs), "reference counts disagree with the slots' pages"
+    assert cache._num_shared == sum(1 for n in refs.values() if n > 1)
     for state in cache._slots:
         if state.in_use:
             assert len(state.pages) >= cache.spec.pages_for(state.tokens), "a used token is not backed"
