@@ -104,7 +104,11 @@ class SlotCache(ABC):
             return slot
 
     def free_slot(self, slot: int) -> None:
-        """Finish with a slot. The virtual cache keeps its pages mapped for reuse (see ``reclaim``)."""
+        """Finish with a slot. The virtual cache keeps its pages mapped for reuse (see ``reclaim``).
+
+        Free a slot only once no queued kernel reads it any more: its pages may be unmapped or handed to
+        another request from then on.
+        """
         with self._lock:
             state = self._in_use(slot)
             state.in_use, state.tokens = False, 0
