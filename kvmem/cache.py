@@ -91,8 +91,7 @@ class VirtualKVCache(SlotCache):
 
     def _view(self, buffer: int) -> torch.Tensor:
         s = self.spec
-        rows = self._flat[buffer].view(s.dtype).view(s.max_slots, s.slot_tokens, s.layers_per_buffer, s.num_kv_heads, s.head_dim)
-        return rows[:, : s.max_tokens]
+        return self._flat[buffer].view(s.dtype).view(s.max_slots, s.slot_tokens, s.layers_per_buffer, s.num_kv_heads, s.head_dim)
 
     # -- tensors -------------------------------------------------------------------------------
     def k(self, layer: int) -> torch.Tensor:
@@ -103,7 +102,20 @@ class VirtualKVCache(SlotCache):
         """V of ``layer``: ``[max_slots, max_tokens, num_kv_heads, head_dim]`` over virtual memory."""
         return self._layer_view(layer, 1)
 
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` as ``[max_slots * slot_tokens, H, D]``: token t of slot s is row
+        ``s * spec.slot_tokens + t`` (the layout varlen attention kernels take, no copy)."""
+        k, v = self._buffer_view(layer, 0), self._buffer_view(layer, 1)
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+    def token_rows(self, slot: int, start: int, stop: int) -> torch.Tensor:
+        """Row indices (see ``rows``) of tokens ``[start, stop)`` of ``slot``."""
+        return torch.arange(start, stop) + slot * self.spec.slot_tokens
+
     def _layer_view(self, layer: int, kv: int) -> torch.Tensor:
+        return self._buffer_view(layer, kv)[:, : self.spec.max_tokens]
+
+    def _buffer_view(self, layer: int, kv: int) -> torch.Tensor:
         if not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.spec.num_layers})")
         if self.spec.layout == "per_layer":

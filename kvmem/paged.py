@@ -48,6 +48,17 @@ class PagedKVCache(SlotCache):
             raise ValueError(f"layer {layer} outside [0, {self.spec.num_layers})")
         return layer
 
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` as ``[num_blocks * block_size, H, D]``: see ``token_rows``."""
+        return self.k(layer).flatten(0, 1), self.v(layer).flatten(0, 1)
+
+    def token_rows(self, slot: int, start: int, stop: int) -> torch.Tensor:
+        """Row indices (see ``rows``) of tokens ``[start, stop)`` of ``slot``, through its block table."""
+        with self._lock:
+            table = torch.tensor(self._in_use(slot).pages, dtype=torch.long)
+        positions = torch.arange(start, stop)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
     def block_table(self, slot: int) -> list[int]:
         """Block ids holding ``slot``'s tokens, in token order."""
         with self._lock:

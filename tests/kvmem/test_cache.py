@@ -308,3 +308,18 @@ def test_cache_maps_exactly_what_the_spec_accounts(cache_factory, layout):
     stats = cache.stats()
     assert stats.mapped_bytes == sum(cache.spec.physical_bytes_for(n) for n in lengths)
     assert stats.used_bytes == sum(lengths) * cache.spec.bytes_per_token
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_address_the_same_memory_as_the_views(cache_factory, layout):
+    cache = cache_factory(layout)
+    tpp = tokens_per_page(cache)
+    slot = cache.alloc_slot()
+    slot = cache.alloc_slot()  # slot 1: rows start at slot_tokens
+    cache.ensure(slot, tpp + 3)
+    fill(cache, slot, 0, tpp + 3, tag=5.0)
+    k_rows, v_rows = cache.rows(1)
+    index = cache.token_rows(slot, 2, tpp + 3).to(cache.device)
+    assert torch.equal(k_rows[index], cache.k(1)[slot, 2 : tpp + 3])
+    assert torch.equal(v_rows[index], cache.v(1)[slot, 2 : tpp + 3])
+    assert int(index[0]) == slot * cache.spec.slot_tokens + 2

@@ -80,3 +80,15 @@ def test_paged_cache_maps_exactly_what_the_spec_accounts():
     for n in lengths:
         cache.ensure(cache.alloc_slot(), n)
     assert cache.stats().mapped_bytes == sum(SPEC.physical_bytes_for(n) for n in lengths)
+
+
+def test_paged_rows_follow_the_block_table():
+    cache = make()
+    cache.alloc_slot()
+    slot = cache.alloc_slot()
+    cache.ensure(slot, 40)
+    cache.write(0, slot, 0, kv(40, 0.0), -kv(40, 0.0))
+    k_rows, v_rows = cache.rows(0)
+    index = cache.token_rows(slot, 10, 40)
+    assert torch.equal(k_rows[index], kv(30, 10.0))
+    assert torch.equal(v_rows[index], -kv(30, 10.0))

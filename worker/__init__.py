@@ -1,0 +1,1 @@
+"""worker: one model shard -- model code, attention backends, sampling and the runner."""

@@ -1,0 +1,101 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) in one file: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Tokens of all sequences in a step are one flat batch ``[tokens, hidden]``; attention goes through an
+``AttentionStep`` that stores the new K/V in the cache and attends over it. A pipeline stage owns a range
+of layers; with ``TPGroup(size>1)`` heads and the MLP are split over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionStep
+from worker.config import ModelConfig
+from worker.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from worker.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = tp.split(config.num_heads, "num_heads")
+        self.n_kv_heads = tp.split(config.num_kv_heads, "num_kv_heads")
+        self.head_dim = config.head_dim
+        qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.wqkv = ColumnParallelLinear(config.hidden_size, qkv, config.qkv_bias, tp)
+        self.wo = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos_sin)
+        k = apply_rope(k.view(-1, self.n_kv_heads, self.head_dim), cos_sin)
+        out = attn(self.layer, q, k, v.view(-1, self.n_kv_heads, self.head_dim))
+        return self.wo(out.reshape(-1, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.w13 = ColumnParallelLinear(config.hidden_size, 2 * config.intermediate_size, False, tp)
+        self.w2 = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config, layer, tp)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config, tp)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos_sin, attn)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Layers ``layers`` of the model (all of them by default); the first stage embeds, the last
+    normalises and produces logits."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(), layers: range | None = None):
+        super().__init__()
+        self.config = config
+        self.layer_range = layers if layers is not None else range(config.num_layers)
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == config.num_layers
+        # Embedding and LM head stay whole on every TP rank: simple, and small next to the layers.
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleList(Block(config, i, tp) for i in self.layer_range)
+        if self.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+        """``x``: token ids ``[tokens]`` on the first stage, hidden states ``[tokens, hidden]`` after."""
+        h = self.tok_embeddings(x) if self.is_first else x
+        for block in self.layers:
+            h = block(h, cos_sin, attn)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h)).float()

@@ -1,0 +1,51 @@
+"""Tensor-parallel linears. With one rank they are plain ``nn.Linear``s and nothing distributed is imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This shard's place in a tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TP rank {self.rank} outside [0, {self.size})")
+
+    def split(self, n: int, what: str) -> int:
+        if n % self.size:
+            raise ValueError(f"{what}={n} does not split over TP size {self.size}")
+        return n // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+        return x
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split over the TP ranks; each rank computes its slice."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, **kw):
+        super().__init__(in_features, tp.split(out_features, "out_features"), bias=bias, **kw)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split over the TP ranks; partial sums all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, **kw):
+        super().__init__(tp.split(in_features, "in_features"), out_features, bias=False, **kw)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
