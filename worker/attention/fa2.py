@@ -1,0 +1,22 @@
+"""FlashAttention-2 as built into torch, straight over the virtual cache's contiguous slot rows."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+
+
+class FA2Attention:
+    """``aten::_flash_attention_forward`` with ``cum_seq_k`` = each slot's first row and ``seqused_k`` =
+    its length: the kernel reads the virtual cache in place (causal varlen for prefill, chunks that attend
+    to a cached prefix, and decode)."""
+
+    name = "fa2"
+
+    def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.ops.aten._flash_attention_forward(
+            q, k_rows, v_rows, meta.cu_seqlens_q, meta.seq_starts, meta.max_query_len, meta.max_kv_len,
+            0.0, True, False, seqused_k=meta.seqused_k,
+        )
+        return out[0]

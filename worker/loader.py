@@ -1,0 +1,125 @@
+"""Building a model shard: Hugging Face checkpoints from a local directory, or random-weight presets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from worker.config import PRESETS, ModelConfig
+from worker.model import Transformer
+from worker.parallel import TPGroup
+
+
+def build_model(
+    model: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    tp: TPGroup = TPGroup(),
+    layers: range | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> Transformer:
+    """A preset name (random weights at real shapes) or a Hugging Face model directory."""
+    if model in PRESETS:
+        return random_model(PRESETS[model], dtype, device, tp, layers, seed)
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    config = ModelConfig.from_hf(path)
+    shard = _empty(config, dtype, device, tp, layers)
+    load_hf_weights(shard, path, tp, progress)
+    return shard
+
+
+def _empty(config: ModelConfig, dtype, device, tp: TPGroup, layers: range | None) -> Transformer:
+    with torch.device("meta"):
+        shard = Transformer(config, tp, layers)
+    return shard.to_empty(device=device).to(dtype)
+
+
+def random_model(config: ModelConfig, dtype, device, tp: TPGroup = TPGroup(), layers=None, seed: int = 0) -> Transformer:
+    """Random weights (normal, std 0.02; norms 1) at the preset's shape, made on ``device``."""
+    shard = _empty(config, dtype, device, tp, layers)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in shard.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return shard
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the sharded index or the single file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    out = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            out.update({name: file for name in f.keys()})
+    return out
+
+
+def _hf_names(shard: Transformer) -> dict[str, list[str]]:
+    """Our parameter -> the checkpoint tensors it is made of (concatenated along rows)."""
+    names: dict[str, list[str]] = {}
+    for j, i in enumerate(shard.layer_range):
+        hf, ours = f"model.layers.{i}.", f"layers.{j}."
+        names[ours + "attention.wqkv.weight"] = [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
+        if shard.config.qkv_bias:
+            names[ours + "attention.wqkv.bias"] = [hf + f"self_attn.{p}_proj.bias" for p in "qkv"]
+        names[ours + "attention.wo.weight"] = [hf + "self_attn.o_proj.weight"]
+        names[ours + "feed_forward.w13.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+        names[ours + "feed_forward.w2.weight"] = [hf + "mlp.down_proj.weight"]
+        names[ours + "attention_norm.weight"] = [hf + "input_layernorm.weight"]
+        names[ours + "ffn_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+    if shard.is_first:
+        names["tok_embeddings.weight"] = ["model.embed_tokens.weight"]
+    if shard.is_last:
+        names["norm.weight"] = ["model.norm.weight"]
+        tied = shard.config.tie_word_embeddings
+        names["output.weight"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    return names
+
+
+def _shard(name: str, tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's part: row-parallel weights split along inputs, column-parallel along outputs."""
+    if tp.size == 1:
+        return tensor
+    if name.endswith(("wo.weight", "w2.weight")):
+        return tensor.chunk(tp.size, dim=1)[tp.rank]
+    if ".wqkv." in name or ".w13." in name:
+        return tensor.chunk(tp.size, dim=0)[tp.rank]
+    return tensor
+
+
+def load_hf_weights(shard: Transformer, path: Path, tp: TPGroup = TPGroup(), progress: bool = False) -> None:
+    """Copy the checkpoint's tensors into ``shard`` (this TP rank's slices), checking every shape."""
+    files = _weight_files(path)
+    params = dict(shard.named_parameters())
+    handles: dict[Path, object] = {}
+    try:
+        for ours, theirs in tqdm(_hf_names(shard).items(), desc="loading weights", disable=not progress):
+            missing = [n for n in theirs if n not in files]
+            if missing:
+                raise FileNotFoundError(f"checkpoint {path} lacks {missing[0]}")
+            parts = []
+            for name in theirs:
+                f = handles.setdefault(files[name], safe_open(files[name], "pt"))
+                parts.append(_shard(ours, f.get_tensor(name), tp))  # each of q/k/v, gate/up split by rank
+            tensor = torch.cat(parts, dim=0)
+            if tensor.shape != params[ours].shape:
+                raise ValueError(f"{ours}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[ours].shape)}")
+            with torch.no_grad():
+                params[ours].copy_(tensor)
+    finally:
+        handles.clear()
