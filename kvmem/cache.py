@@ -178,6 +178,9 @@ class VirtualKVCache(SlotCache):
     def _free_pages(self) -> int:
         return self._pool.num_free // self.spec.num_buffers
 
+    def _total_pages(self) -> int:
+        return self._pool.num_pages // self.units_per_page
+
     def _free_physical(self) -> int:
         return self._pool.num_free
 

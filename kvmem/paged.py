@@ -110,6 +110,9 @@ class PagedKVCache(SlotCache):
     def _free_pages(self) -> int:
         return len(self._free)
 
+    def _total_pages(self) -> int:
+        return self.num_blocks
+
     def _attach(self, slot: int, index: int, page: int) -> None:
         self._counters.maps += 1
 

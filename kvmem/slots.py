@@ -61,6 +61,15 @@ class SlotCache(ABC):
     def _free_pages(self) -> int:
         """Slot pages the pool can hand out now."""
 
+    @abstractmethod
+    def _total_pages(self) -> int:
+        """Slot pages the pool holds in all (free or not)."""
+
+    def fits(self, tokens: int) -> bool:
+        """Whether one slot of ``tokens`` tokens could ever be backed by the whole pool."""
+        with self._lock:
+            return self.spec.pages_for(tokens) <= self._total_pages()
+
     def _free_physical(self) -> int:
         """Physical pages free in the pool (may exceed whole slot pages' worth)."""
         return self._free_pages() * self.units_per_page

@@ -1,0 +1,36 @@
+"""What generation returns: RequestOutput with one CompletionOutput per parallel sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.sampling import SampledToken
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # "stop", "length", or None while running
+    logprobs: tuple[SampledToken, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Seconds since arrival; None until it happened."""
+
+    time_to_first_token: float | None
+    time_in_queue: float | None
+    e2e_latency: float | None
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+    metrics: RequestMetrics

@@ -1,0 +1,208 @@
+"""Scheduler: FCFS continuous batching with chunked prefill, admission by free pages, and preemption.
+
+Plain Python over a KV cache (``VirtualKVCache`` or ``PagedKVCache``): each step every running sequence
+gets the tokens it still lacks (one for decode, a chunk for prefill) within a token budget, then waiting
+sequences are admitted while slots, pages and budget allow. When pages run out, the latest-arrived running
+sequences are preempted -- by recompute (drop the K/V, compute it again later) or by swap (copy it to host
+memory and back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cluster.sequence import Sequence, SeqStatus
+from cluster.swap import SwapSpace
+from kvmem import KVCacheError, KVCacheExhausted
+from worker.sampling import SampledToken
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {self}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, from seq.num_computed
+    num_samples: int  # tokens drawn at the end of the chunk (0 mid-prompt; n for a request's first token)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache):
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swap = SwapSpace(cache, config.swap_space_bytes) if config.preemption_mode == "swap" else None
+        self.num_preemptions = 0
+        self._next_seq_id = 0
+
+    # -- intake --------------------------------------------------------------------------------
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            if not self._back(seq, seq.num_computed + n, out):
+                break  # seq itself was preempted: it was the last running one
+            out.scheduled.append(ScheduledSeq(seq, n, self._samples(seq, n)))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            budget = self._admit(budget, out)
+        return out
+
+    def _samples(self, seq: Sequence, n: int) -> int:
+        if seq.num_computed + n < len(seq.token_ids):
+            return 0
+        first_of_request = len(seq.request.seqs) == 1 and not seq.output_token_ids
+        return seq.request.params.n if first_of_request else 1
+
+    def _back(self, seq: Sequence, tokens: int, out: SchedulerOutput) -> bool:
+        """Back ``tokens`` of ``seq``'s slot, preempting from the tail of ``running`` until it fits."""
+        while True:
+            try:
+                self.cache.ensure(seq.slot, tokens)
+                return True
+            except KVCacheExhausted:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return False
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            try:
+                slot = self.cache.alloc_slot(len(seq.token_ids))
+            except KVCacheError:
+                break
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            try:
+                self.cache.ensure(slot, seq.num_computed + n)
+            except KVCacheExhausted:
+                self.cache.free_slot(slot)
+                break
+            self.waiting.popleft()
+            if seq.status is SeqStatus.SWAPPED:
+                self.swap.swap_in(seq.seq_id, slot)
+            seq.slot, seq.status = slot, SeqStatus.RUNNING
+            seq.request.times.scheduled = seq.request.times.scheduled or time.monotonic()
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, self._samples(seq, n)))
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if self.swap is not None and self.swap.can_hold(seq.num_computed):
+            self.swap.swap_out(seq.seq_id, seq.slot, seq.num_computed)
+            seq.status = SeqStatus.SWAPPED
+        else:
+            seq.num_computed, seq.status = 0, SeqStatus.WAITING
+        self.cache.free_slot(seq.slot)
+        seq.slot = None
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def lookahead(self, out: SchedulerOutput) -> dict[int, int]:
+        """Tokens each scheduled slot will need next step (one more after a sample): the mapping plan
+        handed to the AsyncMapper while this step computes."""
+        limit = self.cache.spec.max_tokens
+        return {
+            s.seq.slot: min(s.seq.num_computed + s.num_tokens + 1, limit) for s in out.scheduled if s.num_samples
+        }
+
+    # -- results -------------------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, tuple[SampledToken, ...]]) -> list[Sequence]:
+        """Advance computed counts and append sampled tokens; returns the sequences that got a token
+        (forks of n > 1 requests included)."""
+        updated = []
+        now = time.monotonic()
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed += s.num_tokens
+            tokens = sampled.get(seq.seq_id, ())
+            if not tokens:
+                continue
+            seq.request.times.first_token = seq.request.times.first_token or now
+            self._append(seq, tokens[0])
+            updated.append(seq)
+            updated.extend(self._fork(seq, k, token) for k, token in enumerate(tokens[1:], start=1))
+        return updated
+
+    @staticmethod
+    def _append(seq: Sequence, token: SampledToken) -> None:
+        seq.token_ids.append(token.token_id)
+        if seq.request.params.logprobs is not None:
+            seq.logprobs.append(token)
+
+    def _fork(self, parent: Sequence, index: int, token: SampledToken) -> Sequence:
+        """Parallel sample ``index`` of ``parent``'s request: shares the prompt's pages when a slot is free."""
+        prompt = parent.num_prompt_tokens
+        child = Sequence(self.new_seq_id(), parent.request, index, list(parent.request.prompt_token_ids))
+        parent.request.seqs.append(child)
+        self._append(child, token)
+        if len(self.running) < self.config.max_num_seqs:
+            try:
+                child.slot = self.cache.alloc_slot(prompt + 1)
+            except KVCacheError:
+                child.slot = None
+        if child.slot is None:
+            self.waiting.appendleft(child)  # no slot now: it recomputes the prompt later
+            return child
+        self.cache.share_prefix(parent.slot, child.slot, prompt)
+        child.num_computed, child.status = prompt, SeqStatus.RUNNING
+        self.running.append(child)
+        return child
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (stop condition met or request aborted); its slot and swap copy go."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.slot is not None:
+            self.cache.free_slot(seq.slot)
+            seq.slot = None
+        if self.swap is not None:
+            self.swap.drop(seq.seq_id)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        if seq.request.finished:
+            seq.request.times.finished = time.monotonic()

@@ -1,0 +1,66 @@
+"""Requests and their sequences: what the scheduler tracks between steps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from worker.sampling import SampledToken, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timestamps:
+    """Per-request times (``time.monotonic``) for latency metrics."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    times: Timestamps = field(default_factory=Timestamps)
+    seqs: list["Sequence"] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output stream of a request. ``num_computed`` tokens of ``token_ids`` have K/V in the cache;
+    recompute after preemption just sets it back to 0 (vLLM v1's catch-up model)."""
+
+    seq_id: int
+    request: Request
+    sample_index: int
+    token_ids: list[int]
+    num_computed: int = 0
+    slot: int | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    logprobs: list[SampledToken] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]

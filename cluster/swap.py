@@ -1,0 +1,48 @@
+"""Swap space: a preempted sequence's K/V copied to host memory and back into a (new) slot."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SwapSpace:
+    """Host copies of swapped-out sequences, up to ``capacity_bytes``."""
+
+    def __init__(self, cache, capacity_bytes: int):
+        self.cache = cache
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._store: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def can_hold(self, tokens: int) -> bool:
+        return self.used_bytes + tokens * self.cache.spec.bytes_per_token <= self.capacity_bytes
+
+    def swap_out(self, seq_id: int, slot: int, tokens: int) -> None:
+        """Copy tokens ``[0, tokens)`` of ``slot``, every layer, to host memory."""
+        rows = self.cache.token_rows(slot, 0, tokens).to(self.cache.device)
+        pin = self.cache.device.type == "cuda"
+        saved = []
+        for layer in range(self.cache.spec.num_layers):
+            k, v = self.cache.rows(layer)
+            saved.append((k[rows].to("cpu", non_blocking=pin), v[rows].to("cpu", non_blocking=pin)))
+        if pin:
+            torch.cuda.synchronize(self.cache.device)
+        self._store[seq_id] = saved
+        self.used_bytes += tokens * self.cache.spec.bytes_per_token
+
+    def swap_in(self, seq_id: int, slot: int) -> int:
+        """Write a swapped sequence back into ``slot`` (already backed); returns its token count."""
+        saved = self._store.pop(seq_id)
+        tokens = saved[0][0].shape[0]
+        rows = self.cache.token_rows(slot, 0, tokens).to(self.cache.device)
+        for layer, (k_saved, v_saved) in enumerate(saved):
+            k, v = self.cache.rows(layer)
+            k[rows] = k_saved.to(self.cache.device)
+            v[rows] = v_saved.to(self.cache.device)
+        self.used_bytes -= tokens * self.cache.spec.bytes_per_token
+        return tokens
+
+    def drop(self, seq_id: int) -> None:
+        saved = self._store.pop(seq_id, None)
+        if saved is not None:
+            self.used_bytes -= saved[0][0].shape[0] * self.cache.spec.bytes_per_token

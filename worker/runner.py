@@ -1,0 +1,74 @@
+"""ModelRunner: executes a StepPlan on one shard -- writes K/V into the cache, runs the layers, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep, SeqAttention
+from worker.model import Transformer
+from worker.rope import rope_cache
+from worker.sampling import SampledToken, SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``token_ids`` of sequence ``seq_id`` at positions ``start..`` in ``slot``; when ``num_samples`` > 0
+    the step samples that many tokens from the chunk's last position (n > 1 forks draw several)."""
+
+    seq_id: int
+    slot: int
+    token_ids: tuple[int, ...]
+    start: int
+    num_samples: int
+    params: SamplingParams
+    seed: int
+    output_index: int  # tokens the sequence has generated so far (seeds the sampler)
+    sample_index: int = 0  # which of the request's n samples this sequence is
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[ScheduledChunk, ...]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    sampled: dict[int, tuple[SampledToken, ...]]  # seq_id -> tokens drawn (one per requested sample)
+
+
+class ModelRunner:
+    """One shard's model and KV cache on one device."""
+
+    def __init__(self, model: Transformer, cache, backend: AttentionBackend, device: torch.device | str):
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.device = torch.device(device)
+        self._rope = rope_cache(model.config, self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        chunks = plan.chunks
+        for c in chunks:
+            held = self.cache.num_tokens(c.slot)
+            if c.start + len(c.token_ids) > held:
+                raise ValueError(f"seq {c.seq_id}: tokens up to {c.start + len(c.token_ids)} but slot {c.slot} backs {held}")
+        tokens = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+        positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
+        seqs = [SeqAttention(c.slot, len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
+        meta = AttentionMetadata.build(seqs, self.cache, self.device)
+        hidden = self.model(tokens, self._rope[positions], AttentionStep(self.cache, self.backend, meta))
+        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+        wanted = [i for i, c in enumerate(chunks) if c.num_samples]
+        if not wanted:
+            return StepOutput({})
+        logits = self.model.logits(hidden[ends[wanted].to(self.device)])
+        sampled = {}
+        for row, i in enumerate(wanted):
+            c = chunks[i]
+            sampled[c.seq_id] = tuple(
+                sample(logits[row], c.params, c.sample_index + k, c.output_index, c.seed) for k in range(c.num_samples)
+            )
+        return StepOutput(sampled)
