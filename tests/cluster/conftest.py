@@ -1,0 +1,38 @@
+"""Tiny random Llama and Qwen2 checkpoints written by transformers, and the reference greedy outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENGTHS = (5, 17, 33, 9, 40, 24)
+NEW_TOKENS = 40
+
+
+def _config(kind: str):
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, bos_token_id=2)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False), transformers.LlamaForCausalLM
+    return transformers.Qwen2Config(**common, tie_word_embeddings=True), transformers.Qwen2ForCausalLM
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def hf_model(request, tmp_path_factory):
+    """(checkpoint dir, prompts, HF greedy continuations) for a tiny random model."""
+    torch.manual_seed(0)
+    config, cls = _config(request.param)
+    model = cls(config).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    return str(path), prompts, expected
