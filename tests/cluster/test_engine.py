@@ -1,0 +1,108 @@
+"""Engine behaviour beyond greedy equality: parallel samples sharing pages, sampling controls, stops,
+streaming, and bad input that leaves the engine serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine import LLM
+from worker.sampling import SamplingParams
+
+
+@pytest.fixture
+def llm():
+    with LLM("tiny", kv_memory=16 << 20, max_num_seqs=8, max_model_len=256, page_size=4096, device="cpu") as engine:
+        yield engine
+
+
+def run(llm: LLM, prompt, params: SamplingParams):
+    return llm.generate(prompt, params)[0]
+
+
+def test_parallel_samples_share_the_prompt_pages(llm):
+    prompt = list(range(3, 3 + 100))  # ~6 pages in the tiny model's mega layout
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=7, ignore_eos=True)
+    request_id = llm.add_request(prompt, params)
+    per_prompt = llm.cache.spec.physical_bytes_for(len(prompt))
+    while len(llm._requests[request_id].seqs) < 4:
+        llm.step()
+    mapped = llm.cache.stats().mapped_bytes
+    assert mapped < 4 * per_prompt  # one prompt copy plus the pages the samples wrote into
+    assert mapped < 2 * per_prompt
+    final = None
+    while final is None:
+        final = next((o for o in llm.step() if o.finished), None)
+    samples = [c.token_ids for c in final.outputs]
+    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+    assert all(len(s) == 6 for s in samples)
+    assert len(set(samples)) > 1  # different streams
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=123, ignore_eos=True)
+    a = run(llm, "hello", params).outputs[0].token_ids
+    b = llm.generate(["other prompt", "hello"], [params, params])[1].outputs[0].token_ids  # different batch
+    c = run(llm, "hello", SamplingParams(**{**params.__dict__, "seed": 124})).outputs[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    full = run(llm, "abc", greedy).outputs[0]
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    out = run(llm, "abc", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])).outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
+    needle = next(ch for ch in full.text if ch.isalnum())  # the tiny model's greedy text has letters
+    out = run(llm, "abc", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[needle])).outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(needle)]
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_logprobs_are_returned(llm):
+    out = run(llm, "abc", SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)).outputs[0]
+    assert len(out.logprobs) == 3
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token and lp.logprob <= 0 and len(lp.top_logprobs) == 2
+        assert token in lp.top_logprobs  # greedy: the best alternative is the token itself
+
+
+def test_stream_yields_growing_outputs(llm):
+    seen = [o.outputs[0].token_ids for o in llm.stream("abc", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))]
+    assert [len(s) for s in seen] == [1, 2, 3, 4, 5]
+    assert all(seen[i] == seen[-1][: i + 1] for i in range(5))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", {}, "prompt is empty"),
+        ([], {}, "prompt is empty"),
+        ("x" * 300, {}, "prompt has 300 tokens; the maximum context is 256"),
+        ([99999], {}, r"token ids must be ints in \[0, 512\)"),
+        ("hi", {"max_tokens": 0}, "max_tokens must be an int > 0, got 0"),
+        ("hi", {"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ("hi", {"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ("hi", {"n": 0}, "n must be an int >= 1, got 0"),
+        ("hi", {"stop": [3]}, "stop must be a string or a list of strings"),
+    ],
+)
+def test_bad_input_names_the_field_and_the_engine_keeps_serving(llm, prompt, params, message):
+    good = llm.add_request("fine", SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match=message):
+        llm.add_request(prompt, SamplingParams(**params))
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["also fine", prompt], SamplingParams(**params))  # nothing of the batch is queued
+    finished = []
+    while llm.scheduler.has_work:
+        finished += [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in finished] == [good]
+
+
+def test_request_that_can_never_fit_is_rejected():
+    with LLM("tiny", kv_memory=64 << 10, max_num_seqs=4, max_model_len=2048, page_size=4096, device="cpu") as llm:
+        with pytest.raises(ValueError, match="could never run"):
+            llm.add_request("x" * 10, SamplingParams(max_tokens=1500))
+        assert llm.generate("ok", SamplingParams(max_tokens=2, temperature=0))[0].finished
