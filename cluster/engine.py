@@ -64,7 +64,7 @@ class LLM:
         attention = attention or ("paged" if kv_layout == "paged" else "fa2" if self.device.type == "cuda" else "torch")
         if attention == "fa2" and (kv_layout == "paged" or self.device.type != "cuda"):
             raise ValueError("attention 'fa2' needs a virtual KV layout (mega/per_layer) on CUDA")
-        self.runner = ModelRunner(self.model, self.cache, get_backend(attention), self.device)
+        self.runner = ModelRunner(self.model, self.cache, get_backend(attention, self.device), self.device)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode, swap_space), self.cache)
         self.mapper = AsyncMapper(self.cache)
         self._requests: dict[str, Request] = {}

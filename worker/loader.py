@@ -25,7 +25,7 @@ def build_model(
 ) -> Transformer:
     """A preset name (random weights at real shapes) or a Hugging Face model directory."""
     if model in PRESETS:
-        return random_model(PRESETS[model], dtype, device, tp, layers, seed)
+        return random_model(PRESETS[model], dtype, device, tp, layers, seed, progress)
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
@@ -41,12 +41,15 @@ def _empty(config: ModelConfig, dtype, device, tp: TPGroup, layers: range | None
     return shard.to_empty(device=device).to(dtype)
 
 
-def random_model(config: ModelConfig, dtype, device, tp: TPGroup = TPGroup(), layers=None, seed: int = 0) -> Transformer:
+def random_model(
+    config: ModelConfig, dtype, device, tp: TPGroup = TPGroup(), layers=None, seed: int = 0, progress: bool = False
+) -> Transformer:
     """Random weights (normal, std 0.02; norms 1) at the preset's shape, made on ``device``."""
     shard = _empty(config, dtype, device, tp, layers)
     gen = torch.Generator(device=device).manual_seed(seed)
+    params = list(shard.named_parameters())
     with torch.no_grad():
-        for name, p in shard.named_parameters():
+        for name, p in tqdm(params, desc="initialising weights", disable=not progress):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:

@@ -58,17 +58,22 @@ class ModelRunner:
         tokens = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
         seqs = [SeqAttention(c.slot, len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
-        meta = AttentionMetadata.build(seqs, self.cache, self.device)
+        meta = AttentionMetadata.build(seqs, self.cache, self.device, self.backend.gathers)
         hidden = self.model(tokens, self._rope[positions], AttentionStep(self.cache, self.backend, meta))
         ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
         wanted = [i for i, c in enumerate(chunks) if c.num_samples]
         if not wanted:
             return StepOutput({})
         logits = self.model.logits(hidden[ends[wanted].to(self.device)])
+        # Greedy rows without logprobs take one batched argmax: one device sync for the whole step.
+        argmax = logits.argmax(-1).tolist()
         sampled = {}
         for row, i in enumerate(wanted):
             c = chunks[i]
-            sampled[c.seq_id] = tuple(
-                sample(logits[row], c.params, c.sample_index + k, c.output_index, c.seed) for k in range(c.num_samples)
-            )
+            if c.params.greedy and c.params.logprobs is None:
+                sampled[c.seq_id] = (SampledToken(argmax[row]),) * c.num_samples
+            else:
+                sampled[c.seq_id] = tuple(
+                    sample(logits[row], c.params, c.sample_index + k, c.output_index, c.seed) for k in range(c.num_samples)
+                )
         return StepOutput(sampled)

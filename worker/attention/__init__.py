@@ -15,20 +15,28 @@ from worker.attention.metadata import AttentionMetadata, SeqAttention
 
 class AttentionBackend(Protocol):
     name: str
+    gathers: bool  # needs every KV row listed (AttentionMetadata.kv_rows)
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``q`` ``[tokens, H, D]`` against the cache rows of this step's sequences -> ``[tokens, H, D]``."""
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """``torch`` (reference, any device), ``paged`` (the same gather path over block tables), ``fa2``
-    (FlashAttention-2 in torch, CUDA, virtual caches)."""
-    from worker.attention.fa2 import FA2Attention
+def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """``torch`` (reference, any device), ``paged`` (block tables: the reference gather on CPU, gather +
+    FA2 on CUDA), ``fa2`` (FlashAttention-2 in torch over a virtual cache, CUDA)."""
+    from worker.attention.fa2 import FA2Attention, PagedGatherFA2
     from worker.attention.reference import ReferenceAttention
 
-    backends = {"torch": ReferenceAttention, "paged": ReferenceAttention, "fa2": FA2Attention}
+    cuda = torch.device(device).type == "cuda"
+    backends = {
+        "torch": ReferenceAttention,
+        "paged": PagedGatherFA2 if cuda else ReferenceAttention,
+        "fa2": FA2Attention,
+    }
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(backends)}")
+    if name == "fa2" and not cuda:
+        raise ValueError("attention backend 'fa2' needs a CUDA device")
     return backends[name]()
 
 

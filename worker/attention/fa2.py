@@ -13,10 +13,26 @@ class FA2Attention:
     to a cached prefix, and decode)."""
 
     name = "fa2"
+    gathers = False
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.ops.aten._flash_attention_forward(
             q, k_rows, v_rows, meta.cu_seqlens_q, meta.seq_starts, meta.max_query_len, meta.max_kv_len,
             0.0, True, False, seqused_k=meta.seqused_k,
+        )
+        return out[0]
+
+
+class PagedGatherFA2:
+    """The paged baseline on CUDA: gather each sequence's blocks into one contiguous K/V, then FA2 varlen
+    (no block-table argument in torch's FA2; GPU.md measures this at ~3x the in-place read)."""
+
+    name = "paged"
+    gathers = True
+
+    def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k, v = k_rows[meta.kv_rows], v_rows[meta.kv_rows]
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_query_len, meta.max_kv_len, 0.0, True, False,
         )
         return out[0]

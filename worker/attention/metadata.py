@@ -22,7 +22,7 @@ class AttentionMetadata:
 
     seqs: tuple[SeqAttention, ...]
     write_rows: torch.Tensor  # [tokens] long: the row each new token's K/V goes to
-    kv_rows: torch.Tensor  # [sum kv_len] long: each sequence's rows in token order (gather backends)
+    kv_rows: torch.Tensor | None  # [sum kv_len] long: each sequence's rows in token order (gather backends only)
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     cu_seqlens_k: torch.Tensor  # [B + 1] int32: offsets into kv_rows
     seq_starts: torch.Tensor  # [B + 1] int32: first row of each sequence's slot (contiguous backends)
@@ -31,18 +31,19 @@ class AttentionMetadata:
     max_kv_len: int
 
     @classmethod
-    def build(cls, seqs: list[SeqAttention], cache, device: torch.device) -> "AttentionMetadata":
-        """From the step's sequences and the cache that holds them (``token_rows`` per slot)."""
-        kv_rows = [cache.token_rows(s.slot, 0, s.kv_len) for s in seqs]
-        write_rows = [rows[s.kv_len - s.query_len :] for rows, s in zip(kv_rows, seqs)]
+    def build(cls, seqs: list[SeqAttention], cache, device: torch.device, gather: bool) -> "AttentionMetadata":
+        """From the step's sequences and the cache that holds them. ``gather``: also list every KV row of
+        every sequence (backends that gather; contiguous ones read ``seq_starts`` + ``seqused_k``)."""
+        write_rows = [cache.token_rows(s.slot, s.kv_len - s.query_len, s.kv_len) for s in seqs]
+        kv_rows = [cache.token_rows(s.slot, 0, s.kv_len) for s in seqs] if gather else None
         q_lens = torch.tensor([0] + [s.query_len for s in seqs])
         k_lens = torch.tensor([0] + [s.kv_len for s in seqs])
-        starts = [int(rows[0]) if len(rows) else 0 for rows in kv_rows]
+        starts = [int(rows[0]) - (s.kv_len - s.query_len) for rows, s in zip(write_rows, seqs)]
         as_int = dict(dtype=torch.int32, device=device)
         return cls(
             seqs=tuple(seqs),
             write_rows=torch.cat(write_rows).to(device),
-            kv_rows=torch.cat(kv_rows).to(device),
+            kv_rows=torch.cat(kv_rows).to(device) if gather else None,
             cu_seqlens_q=q_lens.cumsum(0).to(**as_int),
             cu_seqlens_k=k_lens.cumsum(0).to(**as_int),
             seq_starts=torch.tensor(starts + [starts[-1] + max(s.kv_len for s in seqs)]).to(**as_int),

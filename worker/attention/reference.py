@@ -11,6 +11,7 @@ from worker.attention.metadata import AttentionMetadata
 
 class ReferenceAttention:
     name = "torch"
+    gathers = True
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
