@@ -7,6 +7,7 @@ maps, then append tokens and apply stop conditions.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from collections.abc import Iterator, Sequence as Seq
 
 import torch
@@ -18,9 +19,20 @@ from cluster.sequence import Request, Sequence, SeqStatus
 from kvmem import AsyncMapper, KVCacheExhausted, KVCacheSpec, MappingPlan, PagedKVCache, VirtualKVCache, default_vmm
 from worker.attention import get_backend
 from worker.loader import build_model
+from worker.model import Transformer
 from worker.runner import ModelRunner, ScheduledChunk, StepPlan
 from worker.sampling import SamplingParams
 from worker.tokenizer import load_tokenizer
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the last step ran (for benchmarks and metrics)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int  # tokens of chunks that did not end in a sample, or that were longer than one
+    num_preempted: int
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,13 +40,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LLM:
     """Generate with a Llama-family model over a vAttention (``mega``/``per_layer``) or paged KV cache.
 
-    ``kv_memory`` is the physical KV pool in bytes. ``attention`` defaults to ``fa2`` for a virtual cache
+    ``model`` is a preset name, a Hugging Face model directory, or an already built ``Transformer``
+    (token-id prompts; byte-level text). ``kv_memory`` is the physical KV pool in bytes. ``attention`` defaults to ``fa2`` for a virtual cache
     on CUDA, ``paged`` for the paged layout and ``torch`` otherwise.
     """
 
     def __init__(
         self,
-        model: str = "tiny",
+        model: str | Transformer = "tiny",
         *,
         kv_layout: str = "mega",
         attention: str | None = None,
@@ -56,9 +69,12 @@ class LLM:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
-        self.model = build_model(model, DTYPES[dtype], self.device, seed=seed, progress=progress)
+        if isinstance(model, Transformer):
+            self.model = model
+        else:
+            self.model = build_model(model, DTYPES[dtype], self.device, seed=seed, progress=progress)
         config = self.model.config
-        self.tokenizer = load_tokenizer(model, config.eos_token_ids, config.bos_token_id)
+        self.tokenizer = load_tokenizer(model if isinstance(model, str) else "", config.eos_token_ids, config.bos_token_id)
         self.max_model_len = min(max_model_len or config.max_context, config.max_context)
         self.cache = self._make_cache(kv_layout, DTYPES[dtype], max_num_seqs, kv_memory, page_size, block_size)
         attention = attention or ("paged" if kv_layout == "paged" else "fa2" if self.device.type == "cuda" else "torch")
@@ -69,7 +85,7 @@ class LLM:
         self.mapper = AsyncMapper(self.cache)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._seed = seed
+        self.last_step: StepInfo | None = None
 
     def _make_cache(self, layout: str, dtype, max_seqs: int, kv_memory: int, page_size: int, block_size: int):
         c = self.model.config
@@ -132,6 +148,12 @@ class LLM:
             if self.scheduler.has_work and not self.scheduler.running:
                 raise RuntimeError("no waiting request fits in the KV cache and nothing runs to free memory")
             return []
+        self.last_step = StepInfo(
+            len(out.scheduled),
+            sum(s.num_tokens for s in out.scheduled),
+            sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1 or not s.num_samples),
+            len(out.preempted),
+        )
         ahead = self.mapper.submit(MappingPlan(self.scheduler.lookahead(out)))
         plan = StepPlan(tuple(self._chunk(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled))
         result = self.runner.execute(plan)

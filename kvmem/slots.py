@@ -271,6 +271,11 @@ class SlotCache(ABC):
         with self._lock:
             self._counters.stall_seconds += seconds
 
+    def mapped_bytes(self) -> int:
+        """Physical bytes slots hold now (cheap: what ``stats().mapped_bytes`` reports)."""
+        with self._lock:
+            return len(self._refs) * self._page_bytes * self.spec.num_buffers
+
     def stats(self) -> KVCacheStats:
         """A consistent snapshot of memory and activity."""
         with self._lock:
@@ -288,7 +293,7 @@ class SlotCache(ABC):
             return KVCacheStats(
                 reserved_bytes=reserved,
                 pool_bytes=pool,
-                mapped_bytes=len(self._refs) * page_bytes * buffers,
+                mapped_bytes=self.mapped_bytes(),
                 used_bytes=sum(valid.values()) * buffers,
                 free_pages=self._free_physical(),
                 slots_in_use=sum(s.in_use for s in self._slots),

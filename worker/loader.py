@@ -30,12 +30,12 @@ def build_model(
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
     config = ModelConfig.from_hf(path)
-    shard = _empty(config, dtype, device, tp, layers)
+    shard = empty_model(config, dtype, device, tp, layers)
     load_hf_weights(shard, path, tp, progress)
     return shard
 
 
-def _empty(config: ModelConfig, dtype, device, tp: TPGroup, layers: range | None) -> Transformer:
+def empty_model(config: ModelConfig, dtype, device, tp: TPGroup, layers: range | None) -> Transformer:
     with torch.device("meta"):
         shard = Transformer(config, tp, layers)
     return shard.to_empty(device=device).to(dtype)
@@ -45,7 +45,7 @@ def random_model(
     config: ModelConfig, dtype, device, tp: TPGroup = TPGroup(), layers=None, seed: int = 0, progress: bool = False
 ) -> Transformer:
     """Random weights (normal, std 0.02; norms 1) at the preset's shape, made on ``device``."""
-    shard = _empty(config, dtype, device, tp, layers)
+    shard = empty_model(config, dtype, device, tp, layers)
     gen = torch.Generator(device=device).manual_seed(seed)
     params = list(shard.named_parameters())
     with torch.no_grad():
@@ -106,23 +106,36 @@ def _shard(name: str, tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 
 def load_hf_weights(shard: Transformer, path: Path, tp: TPGroup = TPGroup(), progress: bool = False) -> None:
-    """Copy the checkpoint's tensors into ``shard`` (this TP rank's slices), checking every shape."""
+    """Copy a checkpoint directory's tensors into ``shard`` (this TP rank's slices)."""
     files = _weight_files(path)
-    params = dict(shard.named_parameters())
     handles: dict[Path, object] = {}
-    try:
-        for ours, theirs in tqdm(_hf_names(shard).items(), desc="loading weights", disable=not progress):
-            missing = [n for n in theirs if n not in files]
-            if missing:
-                raise FileNotFoundError(f"checkpoint {path} lacks {missing[0]}")
-            parts = []
-            for name in theirs:
-                f = handles.setdefault(files[name], safe_open(files[name], "pt"))
-                parts.append(_shard(ours, f.get_tensor(name), tp))  # each of q/k/v, gate/up split by rank
-            tensor = torch.cat(parts, dim=0)
-            if tensor.shape != params[ours].shape:
-                raise ValueError(f"{ours}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[ours].shape)}")
-            with torch.no_grad():
-                params[ours].copy_(tensor)
-    finally:
-        handles.clear()
+
+    def lookup(name: str) -> torch.Tensor:
+        if name not in files:
+            raise FileNotFoundError(f"checkpoint {path} lacks {name}")
+        return handles.setdefault(files[name], safe_open(files[name], "pt")).get_tensor(name)
+
+    _copy_weights(shard, lookup, tp, progress)
+
+
+def load_state_dict(shard: Transformer, state: dict[str, torch.Tensor], tp: TPGroup = TPGroup()) -> None:
+    """Copy a transformers ``state_dict()`` (same names as the checkpoint files) into ``shard``."""
+
+    def lookup(name: str) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"state dict lacks {name}")
+        return state[name]
+
+    _copy_weights(shard, lookup, tp, False)
+
+
+def _copy_weights(shard: Transformer, lookup, tp: TPGroup, progress: bool) -> None:
+    """Every parameter from its checkpoint tensors (q/k/v and gate/up split per rank, then joined),
+    checking every shape."""
+    params = dict(shard.named_parameters())
+    for ours, theirs in tqdm(_hf_names(shard).items(), desc="loading weights", disable=not progress):
+        tensor = torch.cat([_shard(ours, lookup(name), tp) for name in theirs], dim=0)
+        if tensor.shape != params[ours].shape:
+            raise ValueError(f"{ours}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[ours].shape)}")
+        with torch.no_grad():
+            params[ours].copy_(tensor)
