@@ -1,0 +1,204 @@
+"""End-to-end throughput: the engine on each KV layout against HF transformers continuous batching.
+
+Workload (fixed seed): ``--requests`` prompts of random token ids, lengths uniform in [min, max], each
+generating ``--output`` tokens greedily with EOS ignored, all submitted at once. The same random weights
+serve every run (the HF peer's, copied into our model). Also measured in the same run: the bf16 matmul rate
+and the device copy bandwidth, which give the roofline floor (prefill FLOPs / matmul rate + decode bytes /
+copy bandwidth).
+
+    python bench/throughput.py [--model llama-3-8b] [--layouts mega per_layer paged] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+import report  # noqa: E402
+from cluster.engine import LLM  # noqa: E402
+from worker.config import PRESETS, ModelConfig  # noqa: E402
+from worker.loader import empty_model, load_state_dict, random_model  # noqa: E402
+from worker.sampling import SamplingParams  # noqa: E402
+
+GiB = 1 << 30
+
+
+def cuda_ms(fn, iters: int = 10) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def ceilings() -> dict:
+    """Measured bf16 matmul FLOP/s and copy bytes/s (read + write) on this device."""
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    flops = 2 * n**3 / (cuda_ms(lambda: a @ b) / 1e3)
+    src = torch.randn(GiB // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 2 / (cuda_ms(lambda: dst.copy_(src)) / 1e3)
+    del a, b, src, dst
+    return {"matmul_flops": flops, "copy_bytes_per_s": bandwidth}
+
+
+def floor_seconds(c: ModelConfig, prompts: list[list[int]], output: int, ceil: dict) -> dict:
+    """Prefill matmul + attention FLOPs over the matmul rate; per decode step, weights + KV read over
+    the copy bandwidth."""
+    h, kv = c.hidden_size, c.num_kv_heads * c.head_dim
+    q = c.num_heads * c.head_dim
+    layer_params = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size
+    matmul_params = c.num_layers * layer_params
+    lengths = [len(p) for p in prompts]
+    prefill = sum(2 * n * matmul_params + 2 * n * n * q * c.num_layers + 2 * h * c.vocab_size for n in lengths)
+    weight_bytes = 2 * (matmul_params + h * c.vocab_size)
+    kv_token = 2 * c.num_layers * kv * 2
+    decode_bytes = sum(weight_bytes + kv_token * sum(n + t for n in lengths) for t in range(output))
+    p, d = prefill / ceil["matmul_flops"], decode_bytes / ceil["copy_bytes_per_s"]
+    return {"prefill_flops": prefill, "decode_bytes": decode_bytes, "prefill_s": p, "decode_s": d, "total_s": p + d}
+
+
+def hf_peer(config: ModelConfig, prompts, output: int):
+    """HF transformers continuous batching (paged|sdpa); returns its numbers and its state dict."""
+    import transformers
+
+    # RoPE scaling is left out: its config keys differ across transformers versions and it changes no cost.
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    model.set_attn_implementation("paged|sdpa")
+    gen = transformers.GenerationConfig(max_new_tokens=output, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=prompts[:4], generation_config=gen)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=gen)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    out_tokens = sum(len(r.generated_tokens) for r in results.values())
+    numbers = {"wall_s": wall, "output_tokens": out_tokens, "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+               "version": transformers.__version__}
+    state = {k: v for k, v in model.state_dict().items()}
+    del model, results
+    return numbers, state
+
+
+def run_engine(model, layout: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
+    max_len = max(map(len, prompts)) + output
+    params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
+    with LLM(model, kv_layout=layout, kv_memory=kv_memory, max_num_seqs=len(prompts), max_model_len=max_len,
+             max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16") as llm:
+        llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+        llm.cache.reclaim(10**12)
+        for prompt in prompts:
+            llm.add_request(prompt, params)
+        decode_steps, peak, steps, preempted = [], 0, 0, 0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while llm.scheduler.has_work:
+            t = time.perf_counter()
+            llm.step()
+            dt = time.perf_counter() - t
+            steps += 1
+            info = llm.last_step
+            preempted += info.num_preempted
+            if info.num_prefill_tokens == 0:
+                decode_steps.append(dt)
+            peak = max(peak, llm.cache.mapped_bytes())
+        wall = time.perf_counter() - start
+        stats = llm.cache.stats()
+    return {
+        "wall_s": wall, "steps": steps, "decode_steps": len(decode_steps),
+        "mean_decode_step_ms": 1e3 * sum(decode_steps) / max(1, len(decode_steps)),
+        "peak_kv_bytes": peak, "kv_pool_bytes": stats.pool_bytes, "preemptions": preempted,
+        "map_latency_p50_us": stats.map_latency_p50_us, "stall_s": stats.stall_seconds,
+    }
+
+
+def plot(rows: list[list], floor: float, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names, walls = [r[0] for r in rows], [r[1] for r in rows]
+    ax.barh(names, walls, color=["tab:gray" if n.startswith("HF") else "tab:blue" for n in names])
+    ax.axvline(floor, color="k", ls="--", lw=0.8, label=f"roofline floor {floor:.1f} s")
+    ax.set_xlabel("wall time (s), lower is better")
+    ax.set_xscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3-8b", choices=sorted(PRESETS))
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--min-prompt", type=int, default=512)
+    parser.add_argument("--max-prompt", type=int, default=2048)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--layouts", nargs="+", default=["mega", "per_layer", "paged"])
+    parser.add_argument("--kv-memory-gib", type=float, default=40)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    parser.add_argument("--out", type=Path, default=report.RESULTS)
+    args = parser.parse_args()
+    config = PRESETS[args.model]
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(1000, config.vocab_size - 1) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+               for _ in range(args.requests)]
+    in_tokens = sum(map(len, prompts))
+    ceil = ceilings()
+    floor = floor_seconds(config, prompts, args.output, ceil)
+    results: dict = {"workload": {"requests": args.requests, "prompt_tokens": in_tokens, "output_tokens": args.requests * args.output,
+                                  "seed": args.seed}, "ceilings": ceil, "floor": floor, "runs": {}}
+    if args.no_hf:
+        model = random_model(config, torch.bfloat16, "cuda", seed=args.seed)
+    else:
+        results["runs"]["HF paged|sdpa"], state = hf_peer(config, prompts, args.output)
+        model = empty_model(config, torch.bfloat16, "cuda", None, None)
+        load_state_dict(model, state)
+        del state
+    gc.collect()
+    torch.cuda.empty_cache()
+    for layout in args.layouts:
+        results["runs"][layout] = run_engine(model, layout, prompts, args.output, int(args.kv_memory_gib * GiB),
+                                             args.max_num_batched_tokens)
+        gc.collect()
+        torch.cuda.empty_cache()
+    total = in_tokens + args.requests * args.output
+    hf_wall = results["runs"].get("HF paged|sdpa", {}).get("wall_s")
+    rows = []
+    for name, r in results["runs"].items():
+        rows.append([name, r["wall_s"], total / r["wall_s"], args.requests * args.output / r["wall_s"],
+                     r.get("mean_decode_step_ms"), (r.get("peak_kv_bytes") or r.get("peak_gpu_bytes", 0)) / GiB,
+                     hf_wall / r["wall_s"] if hf_wall else None, r["wall_s"] / floor["total_s"]])
+    headers = ["run", "wall s", "total tok/s", "output tok/s", "decode step ms", "peak KV GiB (HF: all GPU)",
+               "speed-up vs HF", "x floor"]
+    print(f"{args.requests} requests, {in_tokens} prompt tokens, {args.output} output tokens each; "
+          f"floor {floor['total_s']:.2f} s (prefill {floor['prefill_s']:.2f} + decode {floor['decode_s']:.2f}); "
+          f"matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s, copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    report.write(f"throughput_{args.model}", headers, rows, results, args.out)
+    plot(rows, floor["total_s"], args.out / f"throughput_{args.model}.png")
+
+
+if __name__ == "__main__":
+    main()
