@@ -16,6 +16,8 @@ from worker.config import ModelConfig
 from worker.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
 from worker.rope import apply_rope
 
+Rope = tuple[torch.Tensor, torch.Tensor]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -40,11 +42,11 @@ class Attention(nn.Module):
         self.wqkv = ColumnParallelLinear(config.hidden_size, qkv, config.qkv_bias, tp)
         self.wo = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos_sin)
-        k = apply_rope(k.view(-1, self.n_kv_heads, self.head_dim), cos_sin)
+        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), *rope)
+        k = apply_rope(k.view(-1, self.n_kv_heads, self.head_dim), *rope)
         out = attn(self.layer, q, k, v.view(-1, self.n_kv_heads, self.head_dim))
         return self.wo(out.reshape(-1, q_size))
 
@@ -68,8 +70,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config, tp)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos_sin, attn)
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, attn)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -90,11 +92,12 @@ class Transformer(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
-        """``x``: token ids ``[tokens]`` on the first stage, hidden states ``[tokens, hidden]`` after."""
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
+        """``x``: token ids ``[tokens]`` on the first stage, hidden states ``[tokens, hidden]`` after;
+        ``rope``: (cos, sin) of the tokens' positions (``rope_for``)."""
         h = self.tok_embeddings(x) if self.is_first else x
         for block in self.layers:
-            h = block(h, cos_sin, attn)
+            h = block(h, rope, attn)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

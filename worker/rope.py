@@ -41,10 +41,16 @@ def rope_cache(config: ModelConfig, device: torch.device | str = "cpu") -> torch
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[tokens, heads, head_dim]`` by ``cos_sin`` ``[tokens, head_dim]`` (HF half layout)."""
+def rope_for(cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) ``[tokens, 1, head_dim]`` in ``dtype`` for a step's positions: computed once per step."""
+    half = cache.shape[-1] // 2
+    freqs = cache[positions]
+    cos, sin = freqs[:, :half], freqs[:, half:]
+    return torch.cat([cos, cos], -1)[:, None].to(dtype), torch.cat([sin, sin], -1)[:, None].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` (the HF half-split layout, in x's dtype as HF does)."""
     half = x.shape[-1] // 2
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -8,7 +8,7 @@ import torch
 
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep, SeqAttention
 from worker.model import Transformer
-from worker.rope import rope_cache
+from worker.rope import rope_cache, rope_for
 from worker.sampling import SampledToken, SamplingParams, sample
 
 
@@ -47,6 +47,7 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self._rope = rope_cache(model.config, self.device)
+        self._dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -59,7 +60,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
         seqs = [SeqAttention(c.slot, len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
         meta = AttentionMetadata.build(seqs, self.cache, self.device, self.backend.gathers)
-        hidden = self.model(tokens, self._rope[positions], AttentionStep(self.cache, self.backend, meta))
+        rope = rope_for(self._rope, positions, self._dtype)
+        hidden = self.model(tokens, rope, AttentionStep(self.cache, self.backend, meta))
         ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
         wanted = [i for i, c in enumerate(chunks) if c.num_samples]
         if not wanted:
