@@ -174,7 +174,7 @@ def main() -> None:
         model = random_model(config, torch.bfloat16, "cuda", seed=args.seed)
     else:
         results["runs"]["HF paged|sdpa"], state = hf_peer(config, prompts, args.output)
-        model = empty_model(config, torch.bfloat16, "cuda", None, None)
+        model = empty_model(config, torch.bfloat16, "cuda")
         load_state_dict(model, state)
         del state
     gc.collect()

@@ -35,7 +35,7 @@ def build_model(
     return shard
 
 
-def empty_model(config: ModelConfig, dtype, device, tp: TPGroup, layers: range | None) -> Transformer:
+def empty_model(config: ModelConfig, dtype, device, tp: TPGroup = TPGroup(), layers: range | None = None) -> Transformer:
     with torch.device("meta"):
         shard = Transformer(config, tp, layers)
     return shard.to_empty(device=device).to(dtype)
