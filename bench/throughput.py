@@ -180,8 +180,12 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     for layout in args.layouts:
-        results["runs"][layout] = run_engine(model, layout, prompts, args.output, int(args.kv_memory_gib * GiB),
-                                             args.max_num_batched_tokens)
+        try:
+            results["runs"][layout] = run_engine(model, layout, prompts, args.output, int(args.kv_memory_gib * GiB),
+                                                 args.max_num_batched_tokens)
+        except Exception as exc:  # keep the other layouts' numbers; the failure is reported, not hidden
+            results.setdefault("failed", {})[layout] = repr(exc)
+            print(f"{layout}: FAILED {exc!r}")
         gc.collect()
         torch.cuda.empty_cache()
     total = in_tokens + args.requests * args.output
