@@ -56,6 +56,10 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {model_type!r} ({archs}); supported: {', '.join(SUPPORTED)}")
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
+        # transformers >= 5 writes rope_parameters (theta inside); older checkpoints rope_theta + rope_scaling.
+        rope = raw.get("rope_parameters") or {}
+        theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -66,8 +70,8 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             max_position_embeddings=raw.get("max_position_embeddings", 8192),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=raw.get("rope_theta", 10000.0),
-            rope_scaling=raw.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=scaling,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=raw.get("attention_bias", model_type == "qwen2"),
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", model_type == "mistral") else None,

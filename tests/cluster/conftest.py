@@ -16,17 +16,23 @@ def _config(kind: str):
                   num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, bos_token_id=2)
     if kind == "llama":
         return transformers.LlamaConfig(**common, tie_word_embeddings=False), transformers.LlamaForCausalLM
+    if kind == "llama3":  # Llama 3 RoPE scaling (short original context so that it matters here)
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 32}
+        return transformers.LlamaConfig(**common, rope_scaling=scaling, rope_theta=500000.0), transformers.LlamaForCausalLM
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None), transformers.MistralForCausalLM
     return transformers.Qwen2Config(**common, tie_word_embeddings=True), transformers.Qwen2ForCausalLM
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2"])
 def hf_model(request, tmp_path_factory):
     """(checkpoint dir, prompts, HF greedy continuations) for a tiny random model."""
     torch.manual_seed(0)
     config, cls = _config(request.param)
     model = cls(config).eval()
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size="100KB")  # several shards and an index file
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
     expected = []

@@ -1,0 +1,64 @@
+"""Reading Hugging Face model directories: configs of both transformers generations, clear errors, tokenizers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from worker.config import ModelConfig
+from worker.loader import build_model
+from worker.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def test_rope_settings_from_either_config_generation():
+    old = ModelConfig.from_hf({**BASE, "rope_theta": 500000.0, "rope_scaling": LLAMA3})
+    new = ModelConfig.from_hf({**BASE, "rope_parameters": {**LLAMA3, "rope_theta": 500000.0}})
+    assert old.rope_theta == new.rope_theta == 500000.0
+    assert old.rope_scaling["rope_type"] == new.rope_scaling["rope_type"] == "llama3"
+    plain = ModelConfig.from_hf({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert (plain.rope_theta, plain.rope_scaling) == (1e6, None)
+
+
+def test_unsupported_architecture_and_rope_are_named():
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' \(\['GPT2LMHeadModel'\]\)"):
+        ModelConfig.from_hf({**BASE, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        ModelConfig.from_hf({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        build_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors"):
+        build_model(str(tmp_path))
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="lacks model.layers.0.self_attn.q_proj.weight"):
+        build_model(str(tmp_path), torch.float32)
+    with pytest.raises(FileNotFoundError, match="neither a preset"):
+        build_model(str(tmp_path / "nowhere"))
+
+
+def test_hf_tokenizer_and_chat_template(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}, "<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
+    loaded = load_tokenizer(str(tmp_path), eos_token_ids=(2,))
+    assert isinstance(loaded, HFTokenizer) and loaded.eos_token_ids == (2,)
+    assert loaded.encode("hello world") == [3, 4]
+    assert loaded.decode([3, 4]) == "hello world"
+    assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi</s>[assistant]"
+    assert isinstance(load_tokenizer("tiny"), ByteTokenizer)
