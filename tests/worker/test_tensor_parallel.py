@@ -1,0 +1,63 @@
+"""Tensor parallelism over torch.distributed (gloo, two CPU processes): the sharded model -- heads and MLP
+split, partial sums all-reduced, each rank caching only its KV heads -- gives the unsharded logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kvmem import KVCacheSpec, VirtualKVCache
+from worker.attention import get_backend
+from worker.loader import build_model
+from worker.parallel import TPGroup
+from worker.runner import ModelRunner, ScheduledChunk, StepPlan
+from worker.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 120]
+LOGPROBS = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+
+
+def step_logprobs(path: str, tp: TPGroup) -> list[dict[int, float]]:
+    """Prefill PROMPT, then decode one token; the top-5 logprobs of both steps."""
+    model = build_model(path, torch.float32, tp=tp)
+    c = model.config
+    spec = KVCacheSpec(c.num_layers, c.num_kv_heads // tp.size, c.head_dim, torch.float32, 2, 64, "mega", 4096)
+    with VirtualKVCache(spec, 16 * 4096) as cache:
+        runner = ModelRunner(model, cache, get_backend("torch"), "cpu")
+        slot = cache.alloc_slot()
+        cache.ensure(slot, len(PROMPT) + 1)
+        first = runner.execute(StepPlan((ScheduledChunk(1, slot, tuple(PROMPT), 0, 1, LOGPROBS, 0, 0),)))
+        token = first.sampled[1][0]
+        second = runner.execute(StepPlan((ScheduledChunk(1, slot, (token.token_id,), len(PROMPT), 1, LOGPROBS, 0, 1),)))
+        return [first.sampled[1][0].top_logprobs, second.sampled[1][0].top_logprobs]
+
+
+def _rank(rank: int, size: int, init: str, path: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        result = step_logprobs(path, TPGroup(rank, size))
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_give_the_single_rank_logits(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    expected = step_logprobs(str(tmp_path / "model"), TPGroup())
+    out = str(tmp_path / "logprobs")
+    mp.spawn(_rank, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path / "model"), out), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        for want, have in zip(expected, got):
+            assert list(have) == list(want)  # same top tokens in the same order
+            assert all(abs(have[t] - want[t]) < 1e-4 for t in want)
+
+
+def test_tp_size_must_divide_heads():
+    with pytest.raises(ValueError, match="num_heads=4 does not split over TP size 3"):
+        build_model("tiny", torch.float32, tp=TPGroup(0, 3))
