@@ -108,7 +108,9 @@ def run_engine(model, layout: str, prompts, output: int, kv_memory: int, batched
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     with LLM(model, kv_layout=layout, kv_memory=kv_memory, max_num_seqs=len(prompts), max_model_len=max_len,
              max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16") as llm:
-        llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+        # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
+        # allocator growth and kernel selection for these shapes stay out of the timing.
+        llm.generate([p[:512] for p in prompts], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         llm.cache.reclaim(10**12)
         for prompt in prompts:
             llm.add_request(prompt, params)
