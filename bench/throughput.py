@@ -52,7 +52,6 @@ def ceilings() -> dict:
     src = torch.randn(GiB // 2, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 2 / (cuda_ms(lambda: dst.copy_(src)) / 1e3)
-    del a, b, src, dst
     return {"matmul_flops": flops, "copy_bytes_per_s": bandwidth}
 
 
