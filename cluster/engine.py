@@ -42,7 +42,8 @@ class LLM:
 
     ``model`` is a preset name, a Hugging Face model directory, or an already built ``Transformer``
     (token-id prompts; byte-level text). ``kv_memory`` is the physical KV pool in bytes. ``attention`` defaults to ``fa2`` for a virtual cache
-    on CUDA, ``paged`` for the paged layout and ``torch`` otherwise.
+    on CUDA, ``paged`` for the paged layout and ``torch`` otherwise; ``cuda_graphs`` (default: with ``fa2``)
+    replays decode steps as CUDA graphs.
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class LLM:
         swap_space: int = 4 << 30,
         dtype: str = "auto",
         device: str | None = None,
+        cuda_graphs: bool | None = None,
         seed: int = 0,
         progress: bool = False,
     ):
@@ -76,11 +78,16 @@ class LLM:
         config = self.model.config
         self.tokenizer = load_tokenizer(model if isinstance(model, str) else "", config.eos_token_ids, config.bos_token_id)
         self.max_model_len = min(max_model_len or config.max_context, config.max_context)
-        self.cache = self._make_cache(kv_layout, DTYPES[dtype], max_num_seqs, kv_memory, page_size, block_size)
         attention = attention or ("paged" if kv_layout == "paged" else "fa2" if self.device.type == "cuda" else "torch")
         if attention == "fa2" and (kv_layout == "paged" or self.device.type != "cuda"):
             raise ValueError("attention 'fa2' needs a virtual KV layout (mega/per_layer) on CUDA")
-        self.runner = ModelRunner(self.model, self.cache, get_backend(attention, self.device), self.device)
+        if cuda_graphs is None:
+            cuda_graphs = attention == "fa2"
+        # CUDA graphs hold one slot as scratch for padded rows.
+        slots = max_num_seqs + (1 if cuda_graphs else 0)
+        self.cache = self._make_cache(kv_layout, DTYPES[dtype], slots, kv_memory, page_size, block_size)
+        backend = get_backend(attention, self.device)
+        self.runner = ModelRunner(self.model, self.cache, backend, self.device, max_num_seqs if cuda_graphs else 0)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode, swap_space), self.cache)
         self.mapper = AsyncMapper(self.cache)
         self._requests: dict[str, Request] = {}

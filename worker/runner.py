@@ -41,13 +41,24 @@ class StepOutput:
 class ModelRunner:
     """One shard's model and KV cache on one device."""
 
-    def __init__(self, model: Transformer, cache, backend: AttentionBackend, device: torch.device | str):
+    def __init__(
+        self, model: Transformer, cache, backend: AttentionBackend, device: torch.device | str, graph_batch: int = 0
+    ):
+        """``graph_batch`` > 0: decode steps of up to that many sequences replay CUDA graphs (CUDA, a
+        backend that does not gather, one TP rank); they hold one cache slot as scratch."""
         self.model = model
         self.cache = cache
         self.backend = backend
         self.device = torch.device(device)
         self._rope = rope_cache(model.config, self.device)
         self._dtype = next(model.parameters()).dtype
+        self._graphs = None
+        if graph_batch:
+            if self.device.type != "cuda" or backend.gathers:
+                raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
+            from worker.graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -56,6 +67,14 @@ class ModelRunner:
             held = self.cache.num_tokens(c.slot)
             if c.start + len(c.token_ids) > held:
                 raise ValueError(f"seq {c.seq_id}: tokens up to {c.start + len(c.token_ids)} but slot {c.slot} backs {held}")
+        wanted = [i for i, c in enumerate(chunks) if c.num_samples]
+        if self._graphs is not None and self._graphs.fits(chunks):
+            logits = self._graphs.logits(chunks)[wanted]
+        else:
+            logits = self._eager_logits(chunks, wanted)
+        return self._sample(chunks, wanted, logits) if wanted else StepOutput({})
+
+    def _eager_logits(self, chunks: tuple[ScheduledChunk, ...], wanted: list[int]) -> torch.Tensor:
         tokens = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
         seqs = [SeqAttention(c.slot, len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
@@ -63,10 +82,9 @@ class ModelRunner:
         rope = rope_for(self._rope, positions, self._dtype)
         hidden = self.model(tokens, rope, AttentionStep(self.cache, self.backend, meta))
         ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-        wanted = [i for i, c in enumerate(chunks) if c.num_samples]
-        if not wanted:
-            return StepOutput({})
-        logits = self.model.logits(hidden[ends[wanted].to(self.device)])
+        return self.model.logits(hidden[ends[wanted].to(self.device)])
+
+    def _sample(self, chunks: tuple[ScheduledChunk, ...], wanted: list[int], logits: torch.Tensor) -> StepOutput:
         # Greedy rows without logprobs take one batched argmax: one device sync for the whole step.
         argmax = logits.argmax(-1).tolist()
         sampled = {}

@@ -1,0 +1,82 @@
+"""CUDA graphs of the decode step: one token per sequence, batch padded to a bucket, replayed instead of
+launching ~45 kernels per layer from Python.
+
+Only for the virtual cache with FA2 (its reads are addressed by slot start and length, which fit in fixed
+buffers; a gather needs a variable number of rows). Padding rows read and write one token of a scratch slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep
+from worker.model import Transformer
+from worker.rope import rope_for
+
+
+class DecodeGraphs:
+    def __init__(self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, max_batch: int):
+        self.model, self.cache, self.backend, self.rope_table = model, cache, backend, rope_table
+        self.dtype = next(model.parameters()).dtype
+        self.device = rope_table.device
+        self.buckets = sorted({min(b, max_batch) for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)} | {max_batch})
+        self.scratch = cache.alloc_slot()  # held for the runner's lifetime: padding reads and writes here
+        cache.ensure(self.scratch, 1)
+        self.scratch_row = int(cache.token_rows(self.scratch, 0, 1)[0])
+        # Rows: token, position, write row, slot start row, tokens used (after this step).
+        self.inputs = torch.zeros(5, max_batch, dtype=torch.long, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def fits(self, chunks) -> bool:
+        return len(chunks) <= self.buckets[-1] and all(len(c.token_ids) == 1 for c in chunks)
+
+    def logits(self, chunks) -> torch.Tensor:
+        """``[len(chunks), vocab]`` float32 logits of a decode step."""
+        b = len(chunks)
+        size = next(s for s in self.buckets if s >= b)
+        pad = size - b
+        rows = [int(self.cache.token_rows(c.slot, c.start, c.start + 1)[0]) for c in chunks]
+        host = torch.tensor([
+            [c.token_ids[0] for c in chunks] + [0] * pad,
+            [c.start for c in chunks] + [0] * pad,
+            rows + [self.scratch_row] * pad,
+            [r - c.start for r, c in zip(rows, chunks)] + [self.scratch_row] * pad,
+            [c.start + 1 for c in chunks] + [1] * pad,
+        ])
+        self.inputs[:, :size].copy_(host, non_blocking=True)
+        if size not in self.graphs:
+            self._capture(size)
+        self.graphs[size].replay()
+        return self.outputs[size][:b]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        tokens, positions, write_rows, starts, used = self.inputs[:, :size]
+        starts32 = starts.to(torch.int32)
+        meta = AttentionMetadata(
+            seqs=(),
+            write_rows=write_rows,
+            kv_rows=None,
+            cu_seqlens_q=torch.arange(size + 1, device=self.device, dtype=torch.int32),
+            cu_seqlens_k=torch.cat([starts32, starts32[-1:]]),
+            seq_starts=torch.cat([starts32, starts32[-1:]]),
+            seqused_k=used.to(torch.int32),
+            max_query_len=1,
+            max_kv_len=self.cache.spec.max_tokens,
+        )
+        hidden = self.model(tokens, rope_for(self.rope_table, positions, self.dtype), AttentionStep(self.cache, self.backend, meta))
+        return self.model.logits(hidden)
+
+    def _capture(self, size: int) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph: kernel selection, workspace allocation
+                self._forward(size)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = self._forward(size)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
