@@ -16,7 +16,7 @@ from tqdm import tqdm
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from cluster.scheduler import Scheduler, SchedulerConfig
 from cluster.sequence import Request, Sequence, SeqStatus
-from kvmem import AsyncMapper, KVCacheExhausted, KVCacheSpec, MappingPlan, PagedKVCache, VirtualKVCache, default_vmm
+from kvmem import AsyncMapper, KVCacheExhausted, KVCacheSpec, PagedKVCache, VirtualKVCache, default_vmm
 from worker.attention import get_backend
 from worker.loader import build_model
 from worker.model import Transformer
@@ -161,7 +161,7 @@ class LLM:
             sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1 or not s.num_samples),
             len(out.preempted),
         )
-        ahead = self.mapper.submit(MappingPlan(self.scheduler.lookahead(out)))
+        ahead = self.mapper.submit(self.scheduler.lookahead(out))
         plan = StepPlan(tuple(self._chunk(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled))
         result = self.runner.execute(plan)
         try:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from cluster.sequence import Sequence, SeqStatus
 from cluster.swap import SwapSpace
-from kvmem import KVCacheError, KVCacheExhausted
+from kvmem import KVCacheError, KVCacheExhausted, MappingPlan
 from worker.sampling import SampledToken
 
 
@@ -141,13 +141,30 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def lookahead(self, out: SchedulerOutput) -> dict[int, int]:
-        """Tokens each scheduled slot will need next step (one more after a sample): the mapping plan
-        handed to the AsyncMapper while this step computes."""
+    def lookahead(self, out: SchedulerOutput) -> MappingPlan:
+        """What the next step will need, for the AsyncMapper to map while this step computes: one more
+        token for each sequence that samples now, the next chunk for each still in prefill, and pages
+        mapped eagerly into free slots for the waiting sequences the next step is likely to admit
+        (``alloc_slot`` prefers slots whose pages fit)."""
         limit = self.cache.spec.max_tokens
-        return {
-            s.seq.slot: min(s.seq.num_computed + s.num_tokens + 1, limit) for s in out.scheduled if s.num_samples
-        }
+        budget = self.config.max_num_batched_tokens
+        needs = {}
+        for s in out.scheduled:
+            done = s.seq.num_computed + s.num_tokens
+            step = 1 if s.num_samples else min(len(s.seq.token_ids) - done, budget)
+            needs[s.seq.slot] = min(done + step, limit)
+            budget -= step
+        eager_tokens = eager_slots = 0
+        if hasattr(self.cache, "eager_map"):
+            room = self.config.max_num_seqs - len(self.running)
+            for seq in self.waiting:
+                if budget <= 0 or eager_slots >= room:
+                    break
+                chunk = min(len(seq.token_ids) - seq.num_computed, budget)
+                eager_tokens = max(eager_tokens, min(seq.num_computed + chunk, limit))
+                eager_slots += 1
+                budget -= chunk
+        return MappingPlan(needs, eager_tokens, eager_slots)
 
     # -- results -------------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, tuple[SampledToken, ...]]) -> list[Sequence]:
