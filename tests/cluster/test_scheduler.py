@@ -24,7 +24,7 @@ def sample_all(out) -> dict[int, tuple[SampledToken, ...]]:
     return {s.seq.seq_id: (SampledToken(7),) * s.num_samples for s in out.scheduled if s.num_samples}
 
 
-def test_chunked_prefill_and_lookahead_map_the_next_step_ahead():
+def test_chunked_prefill_and_the_lookahead_plan():
     with VirtualKVCache(SPEC, 64 * 2 * 4096) as cache, AsyncMapper(cache) as mapper:
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), cache)
         a, b, c = add(scheduler, 40), add(scheduler, 30), add(scheduler, 50)
@@ -32,13 +32,13 @@ def test_chunked_prefill_and_lookahead_map_the_next_step_ahead():
         assert [(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled] == [(a, 40, 1), (b, 24, 0)]
         plan = scheduler.lookahead(out)
         assert plan.needs == {a.slot: 41, b.slot: 30}
-        assert (plan.eager_tokens, plan.eager_slots) == (50, 1)  # c is next in line
         mapper.wait(mapper.submit(plan))
+        assert (cache.num_tokens(a.slot), cache.num_tokens(b.slot)) == (41, 30)
         scheduler.postprocess(out, sample_all(out))
         maps = cache.stats().maps
         out = scheduler.schedule()
         assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(a, 1), (b, 6), (c, 50)]
-        assert cache.stats().maps == maps  # everything this step needs was mapped ahead
+        assert cache.stats().maps == maps + 4  # only c's 4 pages: a's and b's were mapped ahead
 
 
 def test_preemption_takes_the_latest_arrival_and_recomputes_it_later():
