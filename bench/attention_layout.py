@@ -20,8 +20,6 @@ import torch
 import report
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
 from kvmem.vmm.cuda import CudaVMM
-from worker.attention import AttentionMetadata
-from worker.attention.fa2 import FA2Attention
 
 LAYERS, HQ, HKV, D = 32, 32, 8, 128
 MiB = 1 << 20
@@ -42,7 +40,7 @@ def time_ms(fn, iters: int = 50) -> float:
     return statistics.median(out)
 
 
-def virtual_case(layout: str, page: int, lens: list[int], max_tokens: int, vmm: CudaVMM, packed: bool = False) -> float:
+def virtual_case(layout: str, page: int, lens: list[int], max_tokens: int, vmm: CudaVMM) -> float:
     spec = KVCacheSpec(LAYERS, HKV, D, torch.bfloat16, len(lens), max_tokens, layout, page)
     pool = sum(spec.physical_bytes_for(n) for n in lens)
     with VirtualKVCache(spec, pool, vmm) as cache:
@@ -57,9 +55,6 @@ def virtual_case(layout: str, page: int, lens: list[int], max_tokens: int, vmm: 
         starts = torch.tensor([s * spec.slot_tokens for s in slots] + [len(lens) * spec.slot_tokens], device="cuda", dtype=torch.int32)
         used = torch.tensor(lens, device="cuda", dtype=torch.int32)
         k, v = cache.rows(17)
-        if packed:  # the engine's decode path: FA2Attention packs the query heads of each KV head
-            meta = AttentionMetadata((), None, None, cu_q, cu_q, starts, used, 1, max_tokens)
-            return time_ms(lambda: FA2Attention().forward(q, k, v, meta))
         return time_ms(lambda: fa2(q, k, v, cu_q, starts, 1, max_tokens, 0.0, True, False, seqused_k=used))
 
 
@@ -114,8 +109,6 @@ def main() -> None:
         "torch stacked layers (strided)": lambda: torch_case(True, lens, max_tokens),
         "vattn per_layer 2MiB": lambda: virtual_case("per_layer", 2 * MiB, lens, max_tokens, vmm),
         "vattn mega 2MiB": lambda: virtual_case("mega", 2 * MiB, lens, max_tokens, vmm),
-        "vattn mega 2MiB, GQA-packed decode": lambda: virtual_case("mega", 2 * MiB, lens, max_tokens, vmm, packed=True),
-        "vattn per_layer 2MiB, GQA-packed decode": lambda: virtual_case("per_layer", 2 * MiB, lens, max_tokens, vmm, packed=True),
         "vattn mega 8MiB": lambda: virtual_case("mega", 8 * MiB, lens, max_tokens, vmm),
         "vattn mega 32MiB": lambda: virtual_case("mega", 32 * MiB, lens, max_tokens, vmm),
         "paged@16 gather + FA2": lambda: paged_case(lens, max_tokens),

@@ -16,28 +16,11 @@ class FA2Attention:
     gathers = False
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.max_query_len == 1 and q.shape[1] > k_rows.shape[1]:
-            return self._decode_packed(q, k_rows, v_rows, meta)
         out = torch.ops.aten._flash_attention_forward(
             q, k_rows, v_rows, meta.cu_seqlens_q, meta.seq_starts, meta.max_query_len, meta.max_kv_len,
             0.0, True, False, seqused_k=meta.seqused_k,
         )
         return out[0]
-
-    @staticmethod
-    def _decode_packed(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode with GQA: the query heads that share a KV head become the rows of one query tile (all at
-        the same position, so no causal mask), and each KV head's cache is read once instead of once per
-        query head."""
-        tokens, q_heads, dim = q.shape
-        kv_heads = k_rows.shape[1]
-        group = q_heads // kv_heads
-        packed = q.view(tokens, kv_heads, group, dim).transpose(1, 2).reshape(tokens * group, kv_heads, dim)
-        out = torch.ops.aten._flash_attention_forward(
-            packed, k_rows, v_rows, meta.cu_seqlens_q * group, meta.seq_starts, group, meta.max_kv_len,
-            0.0, False, False, seqused_k=meta.seqused_k,
-        )[0]
-        return out.view(tokens, group, kv_heads, dim).transpose(1, 2).reshape(tokens, q_heads, dim)
 
 
 class PagedGatherFA2:
