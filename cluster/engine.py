@@ -148,8 +148,9 @@ class LLM:
                 self.scheduler.finish(seq, "abort")
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One scheduling step; returns the requests that made progress (finished ones removed)."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One scheduling step; returns the requests that made progress (finished ones removed), or with
+        ``finished_only`` just those that finished (no text is built for the others)."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_work and not self.scheduler.running:
@@ -172,7 +173,7 @@ class LLM:
         for seq in updated:
             self._check_stop(seq)
         touched = {seq.request.request_id: seq.request for seq in updated}
-        outputs = [self._output(r) for r in touched.values()]
+        outputs = [self._output(r) for r in touched.values() if r.finished or not finished_only]
         for o in outputs:
             if o.finished:
                 del self._requests[o.request_id]
@@ -223,10 +224,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order."""
-        finals: dict[str, RequestOutput] = {}
-        for o in self.stream(prompts, sampling_params, use_tqdm):
-            if o.finished:
-                finals[o.request_id] = o
+        finals = {o.request_id: o for o in self._run(prompts, sampling_params, use_tqdm, finished_only=True)}
         return [finals[i] for i in sorted(finals, key=int)]
 
     def stream(
@@ -236,6 +234,9 @@ class LLM:
         use_tqdm: bool = False,
     ) -> Iterator[RequestOutput]:
         """Yield a RequestOutput each time a request gains tokens, the last with ``finished=True``."""
+        return self._run(prompts, sampling_params, use_tqdm, finished_only=False)
+
+    def _run(self, prompts, sampling_params, use_tqdm: bool, finished_only: bool) -> Iterator[RequestOutput]:
         batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(params) != len(batch):
@@ -245,7 +246,7 @@ class LLM:
         pending = set(ids)
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
             while pending:
-                for o in self.step():
+                for o in self.step(finished_only):
                     if o.request_id in pending:
                         yield o
                         if o.finished:

@@ -22,7 +22,7 @@ class DecodeGraphs:
         self.buckets = sorted({min(b, max_batch) for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)} | {max_batch})
         self.scratch = cache.alloc_slot()  # held for the runner's lifetime: padding reads and writes here
         cache.ensure(self.scratch, 1)
-        self.scratch_row = int(cache.token_rows(self.scratch, 0, 1)[0])
+        self.scratch_row = self.scratch * cache.spec.slot_tokens
         # Rows: token, position, write row, slot start row, tokens used (after this step).
         self.inputs = torch.zeros(5, max_batch, dtype=torch.long, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -37,7 +37,8 @@ class DecodeGraphs:
         b = len(chunks)
         size = next(s for s in self.buckets if s >= b)
         pad = size - b
-        rows = [int(self.cache.token_rows(c.slot, c.start, c.start + 1)[0]) for c in chunks]
+        stride = self.cache.spec.slot_tokens  # a virtual cache: token t of slot s is row s * slot_tokens + t
+        rows = [c.slot * stride + c.start for c in chunks]
         host = torch.tensor([
             [c.token_ids[0] for c in chunks] + [0] * pad,
             [c.start for c in chunks] + [0] * pad,
