@@ -118,7 +118,7 @@ def run_engine(model, layout: str, prompts, output: int, kv_memory: int, batched
         start = time.perf_counter()
         while llm.scheduler.has_work:
             t = time.perf_counter()
-            llm.step()
+            llm.step(finished_only=True)  # as generate() runs it
             dt = time.perf_counter() - t
             steps += 1
             info = llm.last_step
