@@ -96,10 +96,10 @@ class LLM:
 
     def _make_cache(self, layout: str, dtype, max_seqs: int, kv_memory: int, page_size: int, block_size: int):
         c = self.model.config
+        page = block_size if layout == "paged" else page_size  # tokens per block, or bytes per page
+        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, dtype, max_seqs, self.max_model_len, layout, page)
         if layout == "paged":
-            spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, dtype, max_seqs, self.max_model_len, "paged", block_size)
             return PagedKVCache(spec, kv_memory, self.device)
-        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, dtype, max_seqs, self.max_model_len, layout, page_size)
         return VirtualKVCache(spec, kv_memory, default_vmm(self.device))
 
     # -- requests ------------------------------------------------------------------------------

@@ -20,12 +20,12 @@ class SwapSpace:
     def swap_out(self, seq_id: int, slot: int, tokens: int) -> None:
         """Copy tokens ``[0, tokens)`` of ``slot``, every layer, to host memory."""
         rows = self.cache.token_rows(slot, 0, tokens).to(self.cache.device)
-        pin = self.cache.device.type == "cuda"
+        cuda = self.cache.device.type == "cuda"
         saved = []
         for layer in range(self.cache.spec.num_layers):
             k, v = self.cache.rows(layer)
-            saved.append((k[rows].to("cpu", non_blocking=pin), v[rows].to("cpu", non_blocking=pin)))
-        if pin:
+            saved.append((k[rows].to("cpu", non_blocking=cuda), v[rows].to("cpu", non_blocking=cuda)))
+        if cuda:  # the copies above were asynchronous
             torch.cuda.synchronize(self.cache.device)
         self._store[seq_id] = saved
         self.used_bytes += tokens * self.cache.spec.bytes_per_token

@@ -122,18 +122,6 @@ class VirtualKVCache(SlotCache):
             return self._views[kv * self.spec.num_layers + layer][:, :, 0]
         return self._views[kv][:, :, layer]
 
-    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` (``[n, H, D]``) at tokens ``[start, start + n)`` of ``slot``, which must be backed."""
-        with self._lock:
-            held = self._in_use(slot).tokens
-            n = k.shape[0]
-            if start < 0 or start + n > held or v.shape[0] != n:
-                raise ValueError(
-                    f"write of {n} tokens at {start} into slot {slot} outside the {held} tokens ensure() backed"
-                )
-            self.k(layer)[slot, start : start + n] = k
-            self.v(layer)[slot, start : start + n] = v
-
     # -- pool ----------------------------------------------------------------------------------
     def grow(self, nbytes: int) -> int:
         """Create physical pages for ``nbytes`` more (rounded up to pages); returns bytes added."""
@@ -176,7 +164,7 @@ class VirtualKVCache(SlotCache):
         self._pool.give(page)
 
     def _free_pages(self) -> int:
-        return self._pool.num_free // self.spec.num_buffers
+        return self._pool.num_free // self.units_per_page
 
     def _total_pages(self) -> int:
         return self._pool.num_pages // self.units_per_page
@@ -184,13 +172,17 @@ class VirtualKVCache(SlotCache):
     def _free_physical(self) -> int:
         return self._pool.num_free
 
+    def _offset(self, slot: int, index: int) -> int:
+        """Byte offset of page ``index`` of ``slot`` within every buffer."""
+        return slot * self.spec.slot_bytes + index * self._page_bytes
+
     def _va(self, buffer: int, slot: int, index: int) -> int:
-        return self._bases[buffer] + slot * self.spec.slot_bytes + index * self.spec.page_size
+        return self._bases[buffer] + self._offset(slot, index)
 
     def _attach(self, slot: int, index: int, page: Group) -> None:
         # The hot path of ensure(): kept to the driver calls and little else.
         size, vmm, handle = self._page_bytes, self._vmm, self._pool.handle
-        offset = slot * self.spec.slot_bytes + index * size
+        offset = self._offset(slot, index)
         start = time.perf_counter()
         for base, physical in zip(self._bases, page):
             if self.zero_unmapped:
@@ -200,17 +192,15 @@ class VirtualKVCache(SlotCache):
         self._counters.maps += 1
 
     def _detach(self, slot: int, index: int, page: Group) -> None:
-        size = self.spec.page_size
-        for buffer in range(len(page)):
-            va = self._va(buffer, slot, index)
-            self._vmm.unmap(va, size)
+        size, offset = self._page_bytes, self._offset(slot, index)
+        for base in self._bases:
+            self._vmm.unmap(base + offset, size)
             if self.zero_unmapped:
-                self._vmm.map_zero(va, size)
+                self._vmm.map_zero(base + offset, size)
         self._counters.unmaps += 1
 
     def _copy(self, slot: int, index: int, src: Group, dst: Group) -> None:
-        size = self.spec.page_size
-        offset = slot * self.spec.slot_bytes + index * size
+        size, offset = self._page_bytes, self._offset(slot, index)
         for buffer, physical in enumerate(dst):
             self._vmm.map(self._scratch_va, size, self._pool.handle(physical))
             self._vmm.copy(self._scratch, self._flat[buffer][offset : offset + size])

@@ -74,29 +74,12 @@ class PagedKVCache(SlotCache):
                 out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
             return out.to(self.device)
 
-    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` (``[n, H, D]``) at tokens ``[start, start + n)`` of ``slot``."""
-        with self._lock:
-            state = self._in_use(slot)
-            n = k.shape[0]
-            if start < 0 or start + n > state.tokens or v.shape[0] != n:
-                raise ValueError(
-                    f"write of {n} tokens at {start} into slot {slot} outside the {state.tokens} tokens ensure() backed"
-                )
-            positions = torch.arange(start, start + n)
-            blocks = torch.tensor(state.pages, dtype=torch.long)[positions // self.block_size]
-            offsets = positions % self.block_size
-            self.k(layer)[blocks.to(self.device), offsets.to(self.device)] = k
-            self.v(layer)[blocks.to(self.device), offsets.to(self.device)] = v
-
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``slot``'s K and V of ``layer`` as contiguous ``[tokens, H, D]`` copies (reference path)."""
         with self._lock:
-            state = self._in_use(slot)
-            blocks = torch.tensor(state.pages, dtype=torch.long, device=self.device)
-            k = self.k(layer)[blocks].flatten(0, 1)[: state.tokens]
-            v = self.v(layer)[blocks].flatten(0, 1)[: state.tokens]
-            return k, v
+            index = self.token_rows(slot, 0, self._in_use(slot).tokens).to(self.device)
+            k_rows, v_rows = self.rows(layer)
+            return k_rows[index], v_rows[index]
 
     # -- SlotCache hooks -----------------------------------------------------------------------
     def _take(self, n: int) -> list[int]:

@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Hashable
 
+import torch
+
 from kvmem.errors import KVCacheError, KVCacheExhausted
 from kvmem.spec import KVCacheSpec
 from kvmem.stats import Counters, KVCacheStats
@@ -89,6 +91,28 @@ class SlotCache(ABC):
     @abstractmethod
     def _pool_stats(self) -> tuple[int, int]:
         """(reserved bytes, pool bytes)."""
+
+    @abstractmethod
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` as ``[rows, H, D]``; ``token_rows`` says which row holds which token."""
+
+    @abstractmethod
+    def token_rows(self, slot: int, start: int, stop: int) -> torch.Tensor:
+        """Row indices (see ``rows``) of tokens ``[start, stop)`` of ``slot``."""
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``[n, H, D]``) at tokens ``[start, start + n)`` of ``slot``, which must be backed."""
+        with self._lock:
+            held = self._in_use(slot).tokens
+            n = k.shape[0]
+            if start < 0 or start + n > held or v.shape[0] != n:
+                raise ValueError(
+                    f"write of {n} tokens at {start} into slot {slot} outside the {held} tokens ensure() backed"
+                )
+            k_rows, v_rows = self.rows(layer)
+            index = self.token_rows(slot, start, start + n).to(k_rows.device)
+            k_rows[index] = k
+            v_rows[index] = v
 
     # -- slots ---------------------------------------------------------------------------------
     def alloc_slot(self, expected_tokens: int = 0) -> int:

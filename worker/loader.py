@@ -36,9 +36,10 @@ def build_model(
 
 
 def empty_model(config: ModelConfig, dtype, device, tp: TPGroup = TPGroup(), layers: range | None = None) -> Transformer:
+    """The shard's modules with uninitialised weights, allocated once on ``device`` in ``dtype``."""
     with torch.device("meta"):
-        shard = Transformer(config, tp, layers)
-    return shard.to_empty(device=device).to(dtype)
+        shard = Transformer(config, tp, layers).to(dtype)  # casting meta tensors costs nothing
+    return shard.to_empty(device=device)
 
 
 def random_model(

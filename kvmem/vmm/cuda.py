@@ -40,7 +40,6 @@ class CudaVMM:
         self._check(cu.cuInit(0), "cuInit")
         dev = self._check(cu.cuDeviceGet(device_index), "cuDeviceGet", device_index)
         self._ctx = self._check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain", device_index)
-        self._cu_device = dev
         self._bound = threading.local()
         self._prop = cu.CUmemAllocationProp()
         self._prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
