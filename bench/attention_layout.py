@@ -1,5 +1,6 @@
 """Decode attention over each KV layout: FA2 read in place from the virtual cache (mega / per_layer, by
-page size) against the same kernel over plain torch allocations, and the paged gather path.
+page size) against the same kernel over plain torch allocations, and the paged gather path; where the
+flash-attn package is installed, its ``flash_attn_with_kvcache`` over the same virtual caches.
 
 Isolates the kernel from the engine: B sequences with lengths uniform in [lo, hi], one decode query each,
 Llama-3-8B attention shape (32 query heads, 8 KV heads, head dim 128, 32 layers), bf16; median of CUDA-event
@@ -11,6 +12,7 @@ timings of one layer's FA2 call (layer 17, the middle of the stack), rotating ov
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import statistics
 from pathlib import Path
@@ -40,7 +42,9 @@ def time_ms(fn, iters: int = 50) -> float:
     return statistics.median(out)
 
 
-def virtual_case(layout: str, page: int, lens: list[int], max_tokens: int, vmm: CudaVMM) -> float:
+def virtual_case(layout: str, page: int, lens: list[int], max_tokens: int, vmm: CudaVMM, kernel: str = "fa2") -> float:
+    """``kernel``: ``fa2`` (torch's, varlen over the flattened rows) or ``flash_attn`` (the package's
+    ``flash_attn_with_kvcache`` over ``[slot, token, H, D]`` with ``cache_batch_idx``)."""
     spec = KVCacheSpec(LAYERS, HKV, D, torch.bfloat16, len(lens), max_tokens, layout, page)
     pool = sum(spec.physical_bytes_for(n) for n in lens)
     with VirtualKVCache(spec, pool, vmm) as cache:
@@ -54,6 +58,12 @@ def virtual_case(layout: str, page: int, lens: list[int], max_tokens: int, vmm: 
         cu_q = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32)
         starts = torch.tensor([s * spec.slot_tokens for s in slots] + [len(lens) * spec.slot_tokens], device="cuda", dtype=torch.int32)
         used = torch.tensor(lens, device="cuda", dtype=torch.int32)
+        if kernel == "flash_attn":
+            from flash_attn import flash_attn_with_kvcache
+
+            batch_idx = torch.tensor(slots, device="cuda", dtype=torch.int32)
+            k4, v4, q4 = cache.k(17), cache.v(17), q[:, None]
+            return time_ms(lambda: flash_attn_with_kvcache(q4, k4, v4, cache_seqlens=used, cache_batch_idx=batch_idx))
         k, v = cache.rows(17)
         return time_ms(lambda: fa2(q, k, v, cu_q, starts, 1, max_tokens, 0.0, True, False, seqused_k=used))
 
@@ -113,6 +123,9 @@ def main() -> None:
         "vattn mega 32MiB": lambda: virtual_case("mega", 32 * MiB, lens, max_tokens, vmm),
         "paged@16 gather + FA2": lambda: paged_case(lens, max_tokens),
     }
+    if importlib.util.find_spec("flash_attn"):
+        cases["flash_attn kvcache per_layer 2MiB"] = lambda: virtual_case("per_layer", 2 * MiB, lens, max_tokens, vmm, "flash_attn")
+        cases["flash_attn kvcache mega 2MiB"] = lambda: virtual_case("mega", 2 * MiB, lens, max_tokens, vmm, "flash_attn")
     rows, data = [], {"lens": lens, "results": {}}
     for name, fn in cases.items():
         ms = fn()

@@ -102,10 +102,12 @@ def hf_peer(config: ModelConfig, prompts, output: int):
     return numbers, state
 
 
-def run_engine(model, layout: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
+def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
+    """``run`` is a KV layout, or ``layout:attention`` for another backend than the layout's default."""
+    layout, _, attention = run.partition(":")
     max_len = max(map(len, prompts)) + output
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
-    with LLM(model, kv_layout=layout, kv_memory=kv_memory, max_num_seqs=len(prompts), max_model_len=max_len,
+    with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts), max_model_len=max_len,
              max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16") as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing.
@@ -155,14 +157,17 @@ def main() -> None:
     parser.add_argument("--min-prompt", type=int, default=512)
     parser.add_argument("--max-prompt", type=int, default=2048)
     parser.add_argument("--output", type=int, default=128)
-    parser.add_argument("--layouts", nargs="+", default=["mega", "per_layer", "paged"])
+    parser.add_argument("--layouts", nargs="+", default=["mega", "per_layer", "paged"],
+                        help="KV layouts, each optionally as layout:attention (e.g. mega:flash_attn)")
     parser.add_argument("--kv-memory-gib", type=float, default=40)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
+    parser.add_argument("--name", help="results file name (default throughput_MODEL)")
     args = parser.parse_args()
     config = PRESETS[args.model]
+    name = args.name or f"throughput_{args.model}"
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1000, config.vocab_size - 1) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.requests)]
@@ -201,8 +206,8 @@ def main() -> None:
     print(f"{args.requests} requests, {in_tokens} prompt tokens, {args.output} output tokens each; "
           f"floor {floor['total_s']:.2f} s (prefill {floor['prefill_s']:.2f} + decode {floor['decode_s']:.2f}); "
           f"matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s, copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s")
-    report.write(f"throughput_{args.model}", headers, rows, results, args.out)
-    plot(rows, floor["total_s"], args.out / f"throughput_{args.model}.png")
+    report.write(name, headers, rows, results, args.out)
+    plot(rows, floor["total_s"], args.out / f"{name}.png")
 
 
 if __name__ == "__main__":

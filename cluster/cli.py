@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--kv-layout", choices=["mega", "per_layer", "paged"], default="mega")
-    gen.add_argument("--attention", choices=["torch", "fa2", "paged"])
+    gen.add_argument("--attention", choices=["torch", "fa2", "flash_attn", "paged"])
     gen.add_argument("--kv-memory", type=_size, default=1 << 30, help="physical KV pool, e.g. 512MiB or 20GiB")
     gen.add_argument("--max-num-seqs", type=int, default=64)
     gen.add_argument("--max-model-len", type=int)

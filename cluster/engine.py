@@ -17,7 +17,7 @@ from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from cluster.scheduler import Scheduler, SchedulerConfig
 from cluster.sequence import Request, Sequence, SeqStatus
 from kvmem import AsyncMapper, KVCacheExhausted, KVCacheSpec, PagedKVCache, VirtualKVCache, default_vmm
-from worker.attention import get_backend
+from worker.attention import IN_PLACE, get_backend
 from worker.loader import build_model
 from worker.model import Transformer
 from worker.runner import ModelRunner, ScheduledChunk, StepPlan
@@ -41,9 +41,10 @@ class LLM:
     """Generate with a Llama-family model over a vAttention (``mega``/``per_layer``) or paged KV cache.
 
     ``model`` is a preset name, a Hugging Face model directory, or an already built ``Transformer``
-    (token-id prompts; byte-level text). ``kv_memory`` is the physical KV pool in bytes. ``attention`` defaults to ``fa2`` for a virtual cache
-    on CUDA, ``paged`` for the paged layout and ``torch`` otherwise; ``cuda_graphs`` (default: with ``fa2``)
-    replays decode steps as CUDA graphs.
+    (token-id prompts; byte-level text). ``kv_memory`` is the physical KV pool in bytes. ``attention``
+    defaults to ``fa2`` for a virtual cache on CUDA, ``paged`` for the paged layout and ``torch`` otherwise
+    (``flash_attn`` when that package is installed); ``cuda_graphs`` (default: with ``fa2`` or
+    ``flash_attn``) replays decode steps as CUDA graphs.
     """
 
     def __init__(
@@ -79,14 +80,14 @@ class LLM:
         self.tokenizer = load_tokenizer(model if isinstance(model, str) else "", config.eos_token_ids, config.bos_token_id)
         self.max_model_len = min(max_model_len or config.max_context, config.max_context)
         attention = attention or ("paged" if kv_layout == "paged" else "fa2" if self.device.type == "cuda" else "torch")
-        if attention == "fa2" and (kv_layout == "paged" or self.device.type != "cuda"):
-            raise ValueError("attention 'fa2' needs a virtual KV layout (mega/per_layer) on CUDA")
+        if attention in IN_PLACE and (kv_layout == "paged" or self.device.type != "cuda"):
+            raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
         if cuda_graphs is None:
-            cuda_graphs = attention == "fa2"
+            cuda_graphs = attention in IN_PLACE
+        backend = get_backend(attention, self.device)  # before the cache: a missing package fails here
         # CUDA graphs hold one slot as scratch for padded rows.
         slots = max_num_seqs + (1 if cuda_graphs else 0)
         self.cache = self._make_cache(kv_layout, DTYPES[dtype], slots, kv_memory, page_size, block_size)
-        backend = get_backend(attention, self.device)
         self.runner = ModelRunner(self.model, self.cache, backend, self.device, max_num_seqs if cuda_graphs else 0)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode, swap_space), self.cache)
         self.mapper = AsyncMapper(self.cache)

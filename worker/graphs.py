@@ -1,8 +1,9 @@
 """CUDA graphs of the decode step: one token per sequence, batch padded to a bucket, replayed instead of
 launching ~45 kernels per layer from Python.
 
-Only for the virtual cache with FA2 (its reads are addressed by slot start and length, which fit in fixed
-buffers; a gather needs a variable number of rows). Padding rows read and write one token of a scratch slot.
+Only for the virtual cache with a backend that reads it in place (fa2, flash_attn): their reads are
+addressed by slot and length, which fit in fixed buffers; a gather needs a variable number of rows.
+Padding rows read and write one token of a scratch slot.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class DecodeGraphs:
             cu_seqlens_k=torch.cat([starts32, starts32[-1:]]),
             seq_starts=torch.cat([starts32, starts32[-1:]]),
             seqused_k=used.to(torch.int32),
+            slots=starts32 // self.cache.spec.slot_tokens,
+            slot_tokens=self.cache.spec.slot_tokens,
             max_query_len=1,
             max_kv_len=self.cache.spec.max_tokens,
         )

@@ -106,3 +106,9 @@ def test_request_that_can_never_fit_is_rejected():
         with pytest.raises(ValueError, match="could never run"):
             llm.add_request("x" * 10, SamplingParams(max_tokens=1500))
         assert llm.generate("ok", SamplingParams(max_tokens=2, temperature=0))[0].finished
+
+
+@pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn")])
+def test_in_place_attention_needs_a_virtual_layout_on_cuda(layout, attention):
+    with pytest.raises(ValueError, match=f"attention '{attention}' needs a virtual KV layout"):
+        LLM("tiny", kv_layout=layout, attention=attention, device="cpu")

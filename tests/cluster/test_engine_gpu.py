@@ -1,5 +1,5 @@
-"""The whole engine on the GPU: FA2 over the virtual cache with CUDA-graph decode, and the paged gather
-path, against the eager reference attention on the same weights (bf16, so a near-tie may flip a token:
+"""The whole engine on the GPU: FA2 (torch's, and flash-attn's where installed) over the virtual cache with
+CUDA-graph decode, and the paged gather path, against the eager reference attention on the same weights (bf16, so a near-tie may flip a token:
 the first token of every prompt must match and nearly all the rest)."""
 
 from __future__ import annotations
@@ -23,11 +23,15 @@ def generate(path: str, prompts: list[list[int]], layout: str, attention: str, g
         return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.parametrize(("layout", "attention", "graphs"), [("mega", "fa2", True), ("per_layer", "fa2", True),
-                                                               ("mega", "fa2", False), ("paged", "paged", False)])
+@pytest.mark.parametrize(("layout", "attention", "graphs"), [
+    ("mega", "fa2", True), ("per_layer", "fa2", True), ("mega", "fa2", False), ("paged", "paged", False),
+    ("mega", "flash_attn", True), ("per_layer", "flash_attn", False),
+])
 def test_fast_paths_agree_with_the_reference_engine(hf_model, layout, attention, graphs):
     if cuda_missing():
         pytest.skip(cuda_missing())
+    if attention == "flash_attn":
+        pytest.importorskip("flash_attn")
     path, prompts, _ = hf_model
     want = generate(path, prompts, "mega", "torch", False)
     got = generate(path, prompts, layout, attention, graphs)

@@ -1,11 +1,15 @@
 """Attention backends agree with each other over the same cache contents.
 
 CPU: the reference path over virtual rows and over paged block rows gives the same result.
-GPU (-m gpu): FlashAttention-2 read in place from the virtual cache, and the paged gather + FA2 path,
-agree with the reference for prefill, chunked prefill and decode, in the mega and per_layer layouts.
+GPU (-m gpu): FlashAttention-2 read in place from the virtual cache (torch's built-in ``fa2`` and, where
+the package is installed, flash-attn's ``flash_attn_with_kvcache``), and the paged gather + FA2 path,
+agree with the reference for prefill, chunked prefill (mixed with a decode) and decode, in the mega and
+per_layer layouts.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -79,14 +83,29 @@ def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def test_in_place_backends_need_cuda():
+    for name in ("fa2", "flash_attn"):
+        with pytest.raises(ValueError, match=f"attention backend '{name}' needs a CUDA device"):
+            get_backend(name, "cpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_flash_attn_backend_says_how_to_get_the_package():
+    with pytest.raises(ImportError, match="attention backend 'flash_attn' needs the flash-attn package"):
+        get_backend("flash_attn", "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["prefill", "chunked", "decode"])
-@pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])
-def test_fast_backends_agree_with_reference_on_gpu(layout, case):
+@pytest.mark.parametrize(("layout", "backend"), [("mega", "fa2"), ("per_layer", "fa2"), ("paged", "paged"),
+                                                 ("mega", "flash_attn"), ("per_layer", "flash_attn")])
+def test_fast_backends_agree_with_reference_on_gpu(layout, backend, case):
     if cuda_missing():
         pytest.skip(cuda_missing())
+    if backend == "flash_attn":
+        pytest.importorskip("flash_attn")
     cache, seqs, q = setup("paged" if layout == "paged" else "virtual", layout, "cuda", cases(1024)[case])
-    fast = run(cache, "paged" if layout == "paged" else "fa2", seqs, q, "cuda")
+    fast = run(cache, backend, seqs, q, "cuda")
     ref = run(cache, "torch", seqs, q, "cuda")
     assert relerr(fast, ref) < 1e-2
     if layout != "paged":

@@ -20,17 +20,20 @@ def chunk(seq: int, slot: int, tokens: list[int], start: int) -> ScheduledChunk:
     return ScheduledChunk(seq, slot, tuple(tokens), start, 1, TOP, 0, 0)
 
 
+@pytest.mark.parametrize("backend", ["fa2", "flash_attn"])
 @pytest.mark.parametrize("batch", [3, 5])
-def test_graph_replay_matches_eager_logits(batch):
+def test_graph_replay_matches_eager_logits(batch, backend):
     if cuda_missing():
         pytest.skip(cuda_missing())
+    if backend == "flash_attn":
+        pytest.importorskip("flash_attn")
     model = build_model("tiny", torch.bfloat16, "cuda")
     c = model.config
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16, 8, 512, "mega", 2 << 20)
     with VirtualKVCache(spec, 16 * spec.num_buffers * spec.page_size, make_vmm("cuda")) as cache:
-        fa2 = get_backend("fa2", "cuda")
-        eager = ModelRunner(model, cache, fa2, "cuda")
-        graphs = ModelRunner(model, cache, fa2, "cuda", graph_batch=6)
+        impl = get_backend(backend, "cuda")
+        eager = ModelRunner(model, cache, impl, "cuda")
+        graphs = ModelRunner(model, cache, impl, "cuda", graph_batch=6)
         gen = torch.Generator().manual_seed(batch)
         slots, lengths = [cache.alloc_slot() for _ in range(batch)], [7 + 31 * i for i in range(batch)]
         last = {}

@@ -21,10 +21,15 @@ class AttentionBackend(Protocol):
         """``q`` ``[tokens, H, D]`` against the cache rows of this step's sequences -> ``[tokens, H, D]``."""
 
 
+IN_PLACE = ("fa2", "flash_attn")  # CUDA kernels that read a virtual cache's slots where they are
+
+
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """``torch`` (reference, any device), ``paged`` (block tables: the reference gather on CPU, gather +
-    FA2 on CUDA), ``fa2`` (FlashAttention-2 in torch over a virtual cache, CUDA)."""
+    FA2 on CUDA), ``fa2`` (FlashAttention-2 in torch over a virtual cache, CUDA), ``flash_attn`` (the
+    flash-attn package's ``flash_attn_with_kvcache`` over a virtual cache, CUDA, when it is installed)."""
     from worker.attention.fa2 import FA2Attention, PagedGatherFA2
+    from worker.attention.flash_attn_kvcache import FlashAttnKVCache
     from worker.attention.reference import ReferenceAttention
 
     cuda = torch.device(device).type == "cuda"
@@ -32,11 +37,12 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
         "torch": ReferenceAttention,
         "paged": PagedGatherFA2 if cuda else ReferenceAttention,
         "fa2": FA2Attention,
+        "flash_attn": FlashAttnKVCache,
     }
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(backends)}")
-    if name == "fa2" and not cuda:
-        raise ValueError("attention backend 'fa2' needs a CUDA device")
+    if name in IN_PLACE and not cuda:
+        raise ValueError(f"attention backend {name!r} needs a CUDA device")
     return backends[name]()
 
 
@@ -55,4 +61,4 @@ class AttentionStep:
         return self.backend.forward(q, k_rows, v_rows, self.meta)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionStep", "SeqAttention", "get_backend"]
+__all__ = ["IN_PLACE", "AttentionBackend", "AttentionMetadata", "AttentionStep", "SeqAttention", "get_backend"]

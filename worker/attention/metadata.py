@@ -27,6 +27,8 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor  # [B + 1] int32: offsets into kv_rows
     seq_starts: torch.Tensor  # [B + 1] int32: first row of each sequence's slot (contiguous backends)
     seqused_k: torch.Tensor  # [B] int32
+    slots: torch.Tensor  # [B] int32: each sequence's cache slot (``cache_batch_idx`` of flash_attn)
+    slot_tokens: int  # rows per slot: ``rows(layer).unflatten(0, (-1, slot_tokens))`` is [slot, token, H, D]
     max_query_len: int
     max_kv_len: int
 
@@ -48,6 +50,8 @@ class AttentionMetadata:
             cu_seqlens_k=k_lens.cumsum(0).to(**as_int),
             seq_starts=torch.tensor(starts + [starts[-1] + max(s.kv_len for s in seqs)]).to(**as_int),
             seqused_k=k_lens[1:].to(**as_int),
+            slots=torch.tensor([s.slot for s in seqs]).to(**as_int),
+            slot_tokens=cache.spec.slot_tokens,
             max_query_len=max(s.query_len for s in seqs),
             max_kv_len=max(s.kv_len for s in seqs),
         )

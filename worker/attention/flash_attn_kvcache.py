@@ -1,0 +1,74 @@
+"""The flash-attn package's ``flash_attn_with_kvcache`` over the virtual cache, addressed by slot.
+
+The cache's ``[slot, token, H, D]`` view is the kernel's ``k_cache``; ``cache_batch_idx`` picks each
+sequence's slot and ``cache_seqlens`` its length, so nothing is copied or gathered -- the call the
+vAttention paper makes. New K/V are already in the cache (``AttentionStep`` wrote them), so the kernel's
+own append (``k=``/``v=``) is not used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+
+
+def import_flash_attn():
+    """``flash_attn.flash_attn_with_kvcache``, or an ImportError that says how to get it."""
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError as exc:
+        raise ImportError(
+            f"attention backend 'flash_attn' needs the flash-attn package ({exc}); `pip install flash-attn` "
+            "builds it against the installed torch, or tools/build_flash_attn.py builds just its KV-cache kernels"
+        ) from exc
+    return flash_attn_with_kvcache
+
+
+class FlashAttnKVCache:
+    """Decode sequences (one query each) in one batched call; each prefill chunk in a call of its own,
+    causal from the bottom right so that a chunk attends to its cached prefix."""
+
+    name = "flash_attn"
+    gathers = False
+
+    def __init__(self):
+        self._kvcache = import_flash_attn()
+        self._step: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, list[tuple[int, int, int]]] | None = None
+
+    def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache = k_rows.unflatten(0, (-1, meta.slot_tokens))
+        v_cache = v_rows.unflatten(0, (-1, meta.slot_tokens))
+        if meta.max_query_len == 1:  # all decode (and every CUDA-graph step, whose meta lists no seqs)
+            return self._decode(q, k_cache, v_cache, meta.seqused_k, meta.slots)
+        rows, seqs, prefills = self._plan(meta, q.device)
+        out = torch.empty_like(q)
+        if len(rows):
+            out[rows] = self._decode(q[rows], k_cache, v_cache, meta.seqused_k[seqs], meta.slots[seqs])
+        for i, start, stop in prefills:
+            out[start:stop] = self._kvcache(
+                q[None, start:stop], k_cache, v_cache,
+                cache_seqlens=meta.seqused_k[i : i + 1], cache_batch_idx=meta.slots[i : i + 1], causal=True,
+            )[0]
+        return out
+
+    def _decode(self, q, k_cache, v_cache, lengths, slots) -> torch.Tensor:
+        # causal=False: one query sees its whole prefix anyway, and only then does the kernel fold GQA
+        # query heads into the query length (one K/V read per KV head).
+        return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=slots)[:, 0]
+
+    def _plan(self, meta: AttentionMetadata, device: torch.device):
+        """The decode sequences' query rows and indices, and each prefill chunk's (index, first row, end
+        row): worked out on the first layer of a step, reused by the others (they get the same ``meta``)."""
+        if self._step is None or self._step[0] is not meta:
+            rows, seqs, prefills, row = [], [], [], 0
+            for i, seq in enumerate(meta.seqs):
+                if seq.query_len == 1:
+                    rows.append(row)
+                    seqs.append(i)
+                else:
+                    prefills.append((i, row, row + seq.query_len))
+                row += seq.query_len
+            as_long = dict(dtype=torch.long, device=device)
+            self._step = (meta, torch.tensor(rows, **as_long), torch.tensor(seqs, **as_long), prefills)
+        return self._step[1:]
