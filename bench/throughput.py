@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--name", help="results file name (default throughput_MODEL)")
     args = parser.parse_args()
     config = PRESETS[args.model]
-    name = args.name or f"throughput_{args.model}"
+    stem = args.name or f"throughput_{args.model}"
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1000, config.vocab_size - 1) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.requests)]
@@ -206,8 +206,8 @@ def main() -> None:
     print(f"{args.requests} requests, {in_tokens} prompt tokens, {args.output} output tokens each; "
           f"floor {floor['total_s']:.2f} s (prefill {floor['prefill_s']:.2f} + decode {floor['decode_s']:.2f}); "
           f"matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s, copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s")
-    report.write(name, headers, rows, results, args.out)
-    plot(rows, floor["total_s"], args.out / f"{name}.png")
+    report.write(stem, headers, rows, results, args.out)
+    plot(rows, floor["total_s"], args.out / f"{stem}.png")
 
 
 if __name__ == "__main__":
