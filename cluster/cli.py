@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
             progress=True,
         )
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:  # ImportError: an attention backend's package
         print(f"vattn: error: {exc}", file=sys.stderr)
         return 2
     with llm:

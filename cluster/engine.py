@@ -42,9 +42,9 @@ class LLM:
 
     ``model`` is a preset name, a Hugging Face model directory, or an already built ``Transformer``
     (token-id prompts; byte-level text). ``kv_memory`` is the physical KV pool in bytes. ``attention``
-    defaults to ``fa2`` for a virtual cache on CUDA, ``paged`` for the paged layout and ``torch`` otherwise
-    (``flash_attn`` when that package is installed); ``cuda_graphs`` (default: with ``fa2`` or
-    ``flash_attn``) replays decode steps as CUDA graphs.
+    defaults to ``fa2`` for a virtual cache on CUDA, ``paged`` for the paged layout and ``torch`` otherwise;
+    ``flash_attn`` (the flash-attn package, where installed) on a virtual cache on CUDA is the other choice.
+    ``cuda_graphs`` (default: with ``fa2`` or ``flash_attn``) replays decode steps as CUDA graphs.
     """
 
     def __init__(
@@ -72,6 +72,12 @@ class LLM:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        attention = attention or ("paged" if kv_layout == "paged" else "fa2" if self.device.type == "cuda" else "torch")
+        if attention in IN_PLACE and (kv_layout == "paged" or self.device.type != "cuda"):
+            raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
+        if cuda_graphs is None:
+            cuda_graphs = attention in IN_PLACE
+        backend = get_backend(attention, self.device)  # a missing package fails before weights load
         if isinstance(model, Transformer):
             self.model = model
         else:
@@ -79,12 +85,6 @@ class LLM:
         config = self.model.config
         self.tokenizer = load_tokenizer(model if isinstance(model, str) else "", config.eos_token_ids, config.bos_token_id)
         self.max_model_len = min(max_model_len or config.max_context, config.max_context)
-        attention = attention or ("paged" if kv_layout == "paged" else "fa2" if self.device.type == "cuda" else "torch")
-        if attention in IN_PLACE and (kv_layout == "paged" or self.device.type != "cuda"):
-            raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
-        if cuda_graphs is None:
-            cuda_graphs = attention in IN_PLACE
-        backend = get_backend(attention, self.device)  # before the cache: a missing package fails here
         # CUDA graphs hold one slot as scratch for padded rows.
         slots = max_num_seqs + (1 if cuda_graphs else 0)
         self.cache = self._make_cache(kv_layout, DTYPES[dtype], slots, kv_memory, page_size, block_size)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+
+import pytest
 
 from cluster.cli import main
 
@@ -19,3 +22,10 @@ def test_generate_prints_json_per_prompt(capsys):
 def test_bad_argument_is_a_clear_error(capsys):
     assert main(["generate", "--prompt", "x", "--max-tokens", "0", "--device", "cpu"]) == 2
     assert "max_tokens must be an int > 0, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_missing_attention_package_is_a_clear_error_before_loading(capsys):
+    # No CUDA is touched before the backend's import fails, so this runs on a CPU machine too.
+    assert main(["generate", "--prompt", "x", "--attention", "flash_attn", "--device", "cuda"]) == 2
+    assert "attention backend 'flash_attn' needs the flash-attn package" in capsys.readouterr().err
