@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -145,6 +146,9 @@ def plot(rows: list[list], floor: float, path: Path) -> None:
     ax.axvline(floor, color="k", ls="--", lw=0.8, label=f"roofline floor {floor:.1f} s")
     ax.set_xlabel("wall time (s), lower is better")
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # log minor labels overlap
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
