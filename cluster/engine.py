@@ -77,6 +77,8 @@ class LLM:
             raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
         if cuda_graphs is None:
             cuda_graphs = attention in IN_PLACE
+        if cuda_graphs and attention not in IN_PLACE:
+            raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {IN_PLACE}, got {attention!r}")
         backend = get_backend(attention, self.device)  # a missing package fails before weights load
         if isinstance(model, Transformer):
             self.model = model
@@ -85,12 +87,19 @@ class LLM:
         config = self.model.config
         self.tokenizer = load_tokenizer(model if isinstance(model, str) else "", config.eos_token_ids, config.bos_token_id)
         self.max_model_len = min(max_model_len or config.max_context, config.max_context)
+        if attention in IN_PLACE and config.head_dim % 8:
+            # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.
+            raise ValueError(f"attention {attention!r} needs head_dim a multiple of 8, got {config.head_dim}")
         # CUDA graphs hold one slot as scratch for padded rows.
         slots = max_num_seqs + (1 if cuda_graphs else 0)
         self.cache = self._make_cache(kv_layout, DTYPES[dtype], slots, kv_memory, page_size, block_size)
-        self.runner = ModelRunner(self.model, self.cache, backend, self.device, max_num_seqs if cuda_graphs else 0)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode, swap_space), self.cache)
-        self.mapper = AsyncMapper(self.cache)
+        try:
+            self.runner = ModelRunner(self.model, self.cache, backend, self.device, max_num_seqs if cuda_graphs else 0)
+            self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode, swap_space), self.cache)
+            self.mapper = AsyncMapper(self.cache)
+        except BaseException:
+            self._close_cache()  # a failed constructor leaves no reservation behind
+            raise
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step: StepInfo | None = None
@@ -257,6 +266,9 @@ class LLM:
     def close(self) -> None:
         """Stop the mapper thread and give the KV memory back."""
         self.mapper.close()
+        self._close_cache()
+
+    def _close_cache(self) -> None:
         if isinstance(self.cache, VirtualKVCache):
             self.cache.close()
 

@@ -2,8 +2,8 @@
 
 PyPI has only flash-attn's sdist, and its full build (six head dims, two dtypes, backward, four
 architectures) takes hours; the GPU test machine has no network and ten-minute commands. The
-``flash_attn`` attention backend calls ``flash_attn_with_kvcache``, which always runs the split-KV forward
-kernels, so this compiles just those, for the head dims and dtypes asked, with the package's own
+``flash_attn`` attention backend calls ``flash_attn_with_kvcache`` with ``cache_batch_idx``, which makes
+flash-attn run its split-KV forward kernels whatever the batch, so this compiles just those, for the head dims and dtypes asked, with the package's own
 ``FLASHATTENTION_DISABLE_*`` switches for the features vattn never uses (backward, dropout, ALiBi, softcap,
 sliding window). Every other kernel entry point is linked to a stub that
 raises, naming what this build left out. The result is the real package, importable from ``--out``:
@@ -69,9 +69,11 @@ def build(sdist: Path, out: Path, arch: str, head_dims: list[int], dtypes: list[
 
     # A rerun into the same --out resumes the build: sources already there keep their times, so ninja
     # recompiles only what is missing or changed.
-    if not (out / "src").is_dir():
+    if not (out / "src").is_dir():  # extracted aside and renamed: an interrupted extraction is not reused
+        shutil.rmtree(out / "src.partial", ignore_errors=True)
         with tarfile.open(sdist) as tar:
-            tar.extractall(out / "src", filter="data")
+            tar.extractall(out / "src.partial", filter="data")
+        (out / "src.partial").rename(out / "src")
     (root,) = (out / "src").iterdir()
     csrc = root / "csrc" / "flash_attn"
     built = {(t, d, h, c) for t, d, h, c in itertools.product(templates, dtypes, head_dims, (False, True))}
@@ -84,6 +86,8 @@ def build(sdist: Path, out: Path, arch: str, head_dims: list[int], dtypes: list[
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     os.environ["MAX_JOBS"] = str(jobs)
     (out / "build").mkdir(parents=True, exist_ok=True)
+    # torch's load() waits forever on a lock a killed build left behind; this script is the only builder here.
+    (out / "build" / "lock").unlink(missing_ok=True)
     start = time.perf_counter()
     load(
         name="flash_attn_2_cuda",

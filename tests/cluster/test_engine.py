@@ -3,9 +3,14 @@ streaming, and bad input that leaves the engine serving."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from cluster.engine import LLM
+from worker.config import PRESETS
+from worker.loader import random_model
 from worker.sampling import SamplingParams
 
 
@@ -112,3 +117,15 @@ def test_request_that_can_never_fit_is_rejected():
 def test_in_place_attention_needs_a_virtual_layout_on_cuda(layout, attention):
     with pytest.raises(ValueError, match=f"attention '{attention}' needs a virtual KV layout"):
         LLM("tiny", kv_layout=layout, attention=attention, device="cpu")
+
+
+def test_graphs_with_a_gathering_backend_are_refused_before_loading():
+    with pytest.raises(ValueError, match="cuda_graphs need an attention backend that reads the cache in place"):
+        LLM("tiny", attention="torch", cuda_graphs=True, device="cpu")
+
+
+def test_flash_kernels_refuse_a_head_dim_they_would_pad():
+    # Nothing touches CUDA before this check, so it runs on a CPU machine too.
+    model = random_model(replace(PRESETS["tiny"], head_dim=12), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="attention 'fa2' needs head_dim a multiple of 8, got 12"):
+        LLM(model, attention="fa2", device="cuda", dtype="float32")

@@ -3,7 +3,8 @@
 The cache's ``[slot, token, H, D]`` view is the kernel's ``k_cache``; ``cache_batch_idx`` picks each
 sequence's slot and ``cache_seqlens`` its length, so nothing is copied or gathered -- the call the
 vAttention paper makes. New K/V are already in the cache (``AttentionStep`` wrote them), so the kernel's
-own append (``k=``/``v=``) is not used.
+own append (``k=``/``v=``) is not used. Every call passes ``cache_batch_idx``, which also pins flash-attn to
+its split-KV kernels (the only ones ``tools/build_flash_attn.py`` compiles by default).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class FlashAttnKVCache:
         return out
 
     def _decode(self, q, k_cache, v_cache, lengths, slots) -> torch.Tensor:
-        # causal=False: one query sees its whole prefix anyway, and only then does the kernel fold GQA
-        # query heads into the query length (one K/V read per KV head).
+        # One query sees its whole prefix, so no mask; the kernel folds each KV head's query heads into the
+        # query length (one K/V read per KV head).
         return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=slots)[:, 0]
 
     def _plan(self, meta: AttentionMetadata, device: torch.device):
