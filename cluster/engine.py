@@ -24,6 +24,11 @@ from worker.runner import ModelRunner, ScheduledChunk, StepPlan
 from worker.sampling import SamplingParams
 from worker.tokenizer import load_tokenizer
 
+Prompt = str | list[int]  # text, or token ids
+Prompts = Prompt | Seq[Prompt]
+ParamsArg = SamplingParams | Seq[SamplingParams] | None  # one for all prompts, or one per prompt
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """What the last step ran (for benchmarks and metrics)."""
@@ -98,7 +103,7 @@ class LLM:
             self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode, swap_space), self.cache)
             self.mapper = AsyncMapper(self.cache)
         except BaseException:
-            self._close_cache()  # a failed constructor leaves no reservation behind
+            self.cache.close()  # a failed constructor leaves no reservation behind
             raise
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -113,12 +118,12 @@ class LLM:
         return VirtualKVCache(spec, kv_memory, default_vmm(self.device))
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
         """Queue a prompt (text or token ids); returns its request id. Bad input raises ``ValueError``
         naming the field and leaves the engine serving the other requests."""
         return self._enqueue(*self._prepare(prompt, params))
 
-    def _prepare(self, prompt: str | list[int], params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
+    def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -143,7 +148,7 @@ class LLM:
     def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._ids))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        request = Request(request_id, text, ids, params, seed)
+        request = Request(request_id, text, tuple(ids), params, seed)
         seq = Sequence(self.scheduler.new_seq_id(), request, 0, list(ids))
         request.seqs.append(seq)
         self._requests[request_id] = request
@@ -193,17 +198,18 @@ class LLM:
         r = seq.request
         tokens = tuple(seq.token_ids[seq.num_computed : seq.num_computed + n])
         return ScheduledChunk(seq.seq_id, seq.slot, tokens, seq.num_computed, samples, r.params, r.seed,
-                              len(seq.output_token_ids), seq.sample_index)
+                              seq.num_output_tokens, seq.sample_index)
 
     def _check_stop(self, seq: Sequence) -> None:
         p = seq.request.params
         token = seq.token_ids[-1]
+        text = self.tokenizer.decode(seq.output_token_ids) if p.stop else ""  # once, not once per stop string
         reason = None
         if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
-        elif p.stop and any(s in self.tokenizer.decode(seq.output_token_ids) for s in p.stop):
+        elif any(s in text for s in p.stop):
             reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
         if reason:
             self.scheduler.finish(seq, reason)
@@ -225,12 +231,12 @@ class LLM:
             t.finished - t.arrival if t.finished else None,
             sum(s.num_preemptions for s in r.seqs),
         )
-        return RequestOutput(r.request_id, r.prompt, tuple(r.prompt_token_ids), tuple(completions), done, metrics)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, tuple(completions), done, metrics)
 
     def generate(
         self,
-        prompts: str | list[int] | Seq[str | list[int]],
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: Prompts,
+        sampling_params: ParamsArg = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order."""
@@ -239,14 +245,14 @@ class LLM:
 
     def stream(
         self,
-        prompts: str | list[int] | Seq[str | list[int]],
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: Prompts,
+        sampling_params: ParamsArg = None,
         use_tqdm: bool = False,
     ) -> Iterator[RequestOutput]:
         """Yield a RequestOutput each time a request gains tokens, the last with ``finished=True``."""
         return self._run(prompts, sampling_params, use_tqdm, finished_only=False)
 
-    def _run(self, prompts, sampling_params, use_tqdm: bool, finished_only: bool) -> Iterator[RequestOutput]:
+    def _run(self, prompts: Prompts, sampling_params: ParamsArg, use_tqdm: bool, finished_only: bool) -> Iterator[RequestOutput]:
         batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(params) != len(batch):
@@ -266,11 +272,7 @@ class LLM:
     def close(self) -> None:
         """Stop the mapper thread and give the KV memory back."""
         self.mapper.close()
-        self._close_cache()
-
-    def _close_cache(self) -> None:
-        if isinstance(self.cache, VirtualKVCache):
-            self.cache.close()
+        self.cache.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -89,7 +89,7 @@ class Scheduler:
     def _samples(self, seq: Sequence, n: int) -> int:
         if seq.num_computed + n < len(seq.token_ids):
             return 0
-        first_of_request = len(seq.request.seqs) == 1 and not seq.output_token_ids
+        first_of_request = len(seq.request.seqs) == 1 and not seq.num_output_tokens
         return seq.request.params.n if first_of_request else 1
 
     def _back(self, seq: Sequence, tokens: int, out: SchedulerOutput) -> bool:

@@ -30,7 +30,7 @@ class Timestamps:
 class Request:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     seed: int
     times: Timestamps = field(default_factory=Timestamps)
@@ -60,6 +60,10 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -34,11 +34,9 @@ class SwapSpace:
         """Write a swapped sequence back into ``slot`` (already backed); returns its token count."""
         saved = self._store.pop(seq_id)
         tokens = saved[0][0].shape[0]
-        rows = self.cache.token_rows(slot, 0, tokens).to(self.cache.device)
+        device = self.cache.device
         for layer, (k_saved, v_saved) in enumerate(saved):
-            k, v = self.cache.rows(layer)
-            k[rows] = k_saved.to(self.cache.device)
-            v[rows] = v_saved.to(self.cache.device)
+            self.cache.write(layer, slot, 0, k_saved.to(device), v_saved.to(device))
         self.used_bytes -= tokens * self.cache.spec.bytes_per_token
         return tokens
 

@@ -43,7 +43,7 @@ class VirtualKVCache(SlotCache):
             raise ValueError("VirtualKVCache takes layout 'per_layer' or 'mega'; use PagedKVCache for 'paged'")
         if pool_bytes < 0:
             raise ValueError(f"pool_bytes must be >= 0, got {pool_bytes}")
-        super().__init__(spec, spec.token_bytes, spec.page_size)
+        super().__init__(spec)
         self._owns_vmm = vmm is None
         self._vmm = vmm if vmm is not None else default_vmm()
         if spec.page_size % self._vmm.granularity:
@@ -58,6 +58,9 @@ class VirtualKVCache(SlotCache):
         self._scratch_va = self._vmm.reserve(spec.page_size)
         self._scratch = self._vmm.tensor(self._scratch_va, spec.page_size)
         self._views = [self._view(i) for i in range(spec.num_buffers)]
+        # The attention step asks for every layer's rows every step: built once, they are fixed views.
+        self._rows = [(self._buffer_view(i, 0).flatten(0, 1), self._buffer_view(i, 1).flatten(0, 1))
+                      for i in range(spec.num_layers)]
         self._pool = PagePool(self._vmm, spec.page_size, pool_bytes // spec.page_size)
 
     @property
@@ -105,19 +108,23 @@ class VirtualKVCache(SlotCache):
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``layer`` as ``[max_slots * slot_tokens, H, D]``: token t of slot s is row
         ``s * spec.slot_tokens + t`` (the layout varlen attention kernels take, no copy)."""
-        k, v = self._buffer_view(layer, 0), self._buffer_view(layer, 1)
-        return k.flatten(0, 1), v.flatten(0, 1)
+        self._check_layer(layer)
+        return self._rows[layer]
 
     def token_rows(self, slot: int, start: int, stop: int) -> torch.Tensor:
         """Row indices (see ``rows``) of tokens ``[start, stop)`` of ``slot``."""
-        return torch.arange(start, stop) + slot * self.spec.slot_tokens
+        first = slot * self.spec.slot_tokens
+        return torch.arange(first + start, first + stop)
 
     def _layer_view(self, layer: int, kv: int) -> torch.Tensor:
         return self._buffer_view(layer, kv)[:, : self.spec.max_tokens]
 
-    def _buffer_view(self, layer: int, kv: int) -> torch.Tensor:
+    def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.spec.num_layers})")
+
+    def _buffer_view(self, layer: int, kv: int) -> torch.Tensor:
+        self._check_layer(layer)
         if self.spec.layout == "per_layer":
             return self._views[kv * self.spec.num_layers + layer][:, :, 0]
         return self._views[kv][:, :, layer]
@@ -163,14 +170,11 @@ class VirtualKVCache(SlotCache):
     def _give(self, page: Group) -> None:
         self._pool.give(page)
 
-    def _free_pages(self) -> int:
-        return self._pool.num_free // self.units_per_page
-
-    def _total_pages(self) -> int:
-        return self._pool.num_pages // self.units_per_page
-
-    def _free_physical(self) -> int:
+    def _free_units(self) -> int:
         return self._pool.num_free
+
+    def _total_units(self) -> int:
+        return self._pool.num_pages
 
     def _offset(self, slot: int, index: int) -> int:
         """Byte offset of page ``index`` of ``slot`` within every buffer."""
@@ -223,9 +227,3 @@ class VirtualKVCache(SlotCache):
             self._free_reservations()
             if self._owns_vmm:
                 self._vmm.close()
-
-    def __enter__(self) -> "VirtualKVCache":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -20,7 +20,7 @@ class PagedKVCache(SlotCache):
     def __init__(self, spec: KVCacheSpec, pool_bytes: int, device: str | torch.device = "cpu"):
         if spec.layout != "paged":
             raise ValueError(f"PagedKVCache needs layout 'paged', got {spec.layout!r}")
-        super().__init__(spec, spec.bytes_per_token // 2, spec.page_size * spec.bytes_per_token // 2)
+        super().__init__(spec)
         self.block_bytes = spec.page_size * spec.bytes_per_token  # K and V, all layers
         self.num_blocks = pool_bytes // self.block_bytes
         if self.num_blocks <= 0:
@@ -30,6 +30,7 @@ class PagedKVCache(SlotCache):
         self._k = torch.empty(shape, dtype=spec.dtype, device=self.device)
         self._v = torch.empty(shape, dtype=spec.dtype, device=self.device)
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._rows = [(self.k(i).flatten(0, 1), self.v(i).flatten(0, 1)) for i in range(spec.num_layers)]
 
     @property
     def block_size(self) -> int:
@@ -50,7 +51,7 @@ class PagedKVCache(SlotCache):
 
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``layer`` as ``[num_blocks * block_size, H, D]``: see ``token_rows``."""
-        return self.k(layer).flatten(0, 1), self.v(layer).flatten(0, 1)
+        return self._rows[self._layer(layer)]
 
     def token_rows(self, slot: int, start: int, stop: int) -> torch.Tensor:
         """Row indices (see ``rows``) of tokens ``[start, stop)`` of ``slot``, through its block table."""
@@ -90,10 +91,10 @@ class PagedKVCache(SlotCache):
     def _give(self, page: int) -> None:
         self._free.append(page)
 
-    def _free_pages(self) -> int:
+    def _free_units(self) -> int:
         return len(self._free)
 
-    def _total_pages(self) -> int:
+    def _total_units(self) -> int:
         return self.num_blocks
 
     def _attach(self, slot: int, index: int, page: int) -> None:

@@ -13,7 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Self
 
 import torch
 
@@ -39,11 +39,11 @@ class SlotCache(ABC):
     #: Deferred reclamation: a freed slot keeps its pages for the next request.
     keeps_pages_on_free: bool = False
 
-    def __init__(self, spec: KVCacheSpec, token_bytes: int, page_bytes: int):
+    def __init__(self, spec: KVCacheSpec):
         self.spec = spec
         # Bytes of one token and of one page in one buffer: where a page's valid data ends.
-        self._token_bytes = token_bytes
-        self._page_bytes = page_bytes
+        self._token_bytes = spec.token_bytes
+        self._page_bytes = spec.page_bytes
         self._slots = [SlotState() for _ in range(spec.max_slots)]
         self._refs: dict[Page, int] = {}  # a plain dict: Counter's += costs a Python call per map
         self._num_shared = 0  # pages with refcount > 1: while 0, ensure() skips the copy-on-write scan
@@ -60,21 +60,33 @@ class SlotCache(ABC):
         """Return a page no slot references any more to the pool."""
 
     @abstractmethod
-    def _free_pages(self) -> int:
-        """Slot pages the pool can hand out now."""
+    def _free_units(self) -> int:
+        """Physical pages free in the pool (may exceed whole slot pages' worth)."""
 
     @abstractmethod
+    def _total_units(self) -> int:
+        """Physical pages the pool holds in all (free or not)."""
+
+    def _free_pages(self) -> int:
+        """Slot pages the pool can hand out now."""
+        return self._free_units() // self.units_per_page
+
     def _total_pages(self) -> int:
-        """Slot pages the pool holds in all (free or not)."""
+        return self._total_units() // self.units_per_page
+
+    def close(self) -> None:
+        """Give the KV memory back. Here nothing: memory torch allocated goes with the object."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def fits(self, tokens: int) -> bool:
         """Whether one slot of ``tokens`` tokens could ever be backed by the whole pool."""
         with self._lock:
             return self.spec.pages_for(tokens) <= self._total_pages()
-
-    def _free_physical(self) -> int:
-        """Physical pages free in the pool (may exceed whole slot pages' worth)."""
-        return self._free_pages() * self.units_per_page
 
     @abstractmethod
     def _attach(self, slot: int, index: int, page: Page) -> None:
@@ -319,7 +331,7 @@ class SlotCache(ABC):
                 pool_bytes=pool,
                 mapped_bytes=self.mapped_bytes(),
                 used_bytes=sum(valid.values()) * buffers,
-                free_pages=self._free_physical(),
+                free_pages=self._free_units(),
                 slots_in_use=sum(s.in_use for s in self._slots),
                 maps=c.maps,
                 unmaps=c.unmaps,

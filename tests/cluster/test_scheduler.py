@@ -13,7 +13,7 @@ SPEC = KVCacheSpec(2, 2, 16, torch.float32, max_slots=4, max_tokens=256, layout=
 
 
 def add(scheduler: Scheduler, prompt_len: int, max_tokens: int = 8) -> Sequence:
-    request = Request(str(prompt_len), None, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens), 0)
+    request = Request(str(prompt_len), None, tuple(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens), 0)
     seq = Sequence(scheduler.new_seq_id(), request, 0, list(request.prompt_token_ids))
     request.seqs.append(seq)
     scheduler.add(seq)
