@@ -22,8 +22,10 @@ import torch
 import report
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
 from kvmem.vmm.cuda import CudaVMM
+from worker.config import PRESETS
 
-LAYERS, HQ, HKV, D = 32, 32, 8, 128
+_LLAMA3 = PRESETS["llama-3-8b"]
+LAYERS, HQ, HKV, D = _LLAMA3.num_layers, _LLAMA3.num_heads, _LLAMA3.num_kv_heads, _LLAMA3.head_dim
 MiB = 1 << 20
 fa2 = torch.ops.aten._flash_attention_forward
 

@@ -20,11 +20,11 @@ import torch  # noqa: E402
 
 import report  # noqa: E402
 from kvmem import KVCacheSpec  # noqa: E402
+from worker.config import PRESETS  # noqa: E402
 
-MODELS = {  # name: (layers, KV heads, head dim)
-    "Llama-3-8B": (32, 8, 128),
-    "Yi-6B": (32, 4, 128),
-    "Yi-34B": (60, 8, 128),
+MODELS = {  # name: (layers, KV heads, head dim), from the presets
+    name: (PRESETS[preset].num_layers, PRESETS[preset].num_kv_heads, PRESETS[preset].head_dim)
+    for name, preset in {"Llama-3-8B": "llama-3-8b", "Yi-6B": "yi-6b", "Yi-34B": "yi-34b"}.items()
 }
 LAYOUTS = {"per_layer@2MiB": ("per_layer", 2 << 20), "mega@2MiB": ("mega", 2 << 20), "paged@16": ("paged", 16)}
 MEGA_LIMIT = 1.05

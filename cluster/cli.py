@@ -9,7 +9,10 @@ import argparse
 import json
 import sys
 
-from cluster.engine import LLM
+from cluster.engine import DTYPES, LLM
+from kvmem.spec import LAYOUTS
+from worker.attention import BACKENDS
+from worker.config import PRESETS
 from worker.sampling import SamplingParams
 
 
@@ -25,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vattn", description="LLM serving with a virtual-memory KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions in-process")
-    gen.add_argument("--model", default="tiny", help="preset (tiny, llama-3-8b, yi-6b, yi-34b, qwen2.5-7b) or HF model directory")
+    gen.add_argument("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}) or HF model directory")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -36,12 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--kv-layout", choices=["mega", "per_layer", "paged"], default="mega")
-    gen.add_argument("--attention", choices=["torch", "fa2", "flash_attn", "paged"])
+    gen.add_argument("--kv-layout", choices=LAYOUTS, default="mega")
+    gen.add_argument("--attention", choices=BACKENDS)
     gen.add_argument("--kv-memory", type=_size, default=1 << 30, help="physical KV pool, e.g. 512MiB or 20GiB")
     gen.add_argument("--max-num-seqs", type=int, default=64)
     gen.add_argument("--max-model-len", type=int)
-    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    gen.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     gen.add_argument("--device")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     return parser

@@ -90,7 +90,7 @@ class LLM:
         else:
             self.model = build_model(model, DTYPES[dtype], self.device, seed=seed, progress=progress)
         config = self.model.config
-        self.tokenizer = load_tokenizer(model if isinstance(model, str) else "", config.eos_token_ids, config.bos_token_id)
+        self.tokenizer = load_tokenizer(model if isinstance(model, str) else "", config.eos_token_ids)
         self.max_model_len = min(max_model_len or config.max_context, config.max_context)
         if attention in IN_PLACE and config.head_dim % 8:
             # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.

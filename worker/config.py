@@ -35,9 +35,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if kind not in ("default", "llama3", "linear"):
-            raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+        if self.rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported (default, linear, llama3)")
+
+    @property
+    def rope_type(self) -> str:
+        """``rope_scaling``'s kind (``rope_type``, or the older ``type`` key), ``default`` without one."""
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
 
     @property
     def max_context(self) -> int:

@@ -23,9 +23,8 @@ class DecodeGraphs:
         self.buckets = sorted({min(b, max_batch) for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)} | {max_batch})
         self.scratch = cache.alloc_slot()  # held for the runner's lifetime: padding reads and writes here
         cache.ensure(self.scratch, 1)
-        self.scratch_row = self.scratch * cache.spec.slot_tokens
-        # Rows: token, position, write row, slot start row, tokens used (after this step).
-        self.inputs = torch.zeros(5, max_batch, dtype=torch.long, device=self.device)
+        # Rows: token, position, slot. Everything else the step needs follows from them on the device.
+        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -38,14 +37,10 @@ class DecodeGraphs:
         b = len(chunks)
         size = next(s for s in self.buckets if s >= b)
         pad = size - b
-        stride = self.cache.spec.slot_tokens  # a virtual cache: token t of slot s is row s * slot_tokens + t
-        rows = [c.slot * stride + c.start for c in chunks]
         host = torch.tensor([
             [c.token_ids[0] for c in chunks] + [0] * pad,
             [c.start for c in chunks] + [0] * pad,
-            rows + [self.scratch_row] * pad,
-            [r - c.start for r, c in zip(rows, chunks)] + [self.scratch_row] * pad,
-            [c.start + 1 for c in chunks] + [1] * pad,
+            [c.slot for c in chunks] + [self.scratch] * pad,
         ])
         self.inputs[:, :size].copy_(host, non_blocking=True)
         if size not in self.graphs:
@@ -54,18 +49,22 @@ class DecodeGraphs:
         return self.outputs[size][:b]
 
     def _forward(self, size: int) -> torch.Tensor:
-        tokens, positions, write_rows, starts, used = self.inputs[:, :size]
+        tokens, positions, slots = self.inputs[:, :size]
+        # A virtual cache: token t of slot s is row s * slot_tokens + t (the layout of cache.token_rows).
+        stride = self.cache.spec.slot_tokens
+        starts = slots * stride
         starts32 = starts.to(torch.int32)
+        seq_starts = torch.cat([starts32, starts32[-1:]])
         meta = AttentionMetadata(
             seqs=(),
-            write_rows=write_rows,
+            write_rows=starts + positions,
             kv_rows=None,
             cu_seqlens_q=torch.arange(size + 1, device=self.device, dtype=torch.int32),
-            cu_seqlens_k=torch.cat([starts32, starts32[-1:]]),
-            seq_starts=torch.cat([starts32, starts32[-1:]]),
-            seqused_k=used.to(torch.int32),
-            slots=starts32 // self.cache.spec.slot_tokens,
-            slot_tokens=self.cache.spec.slot_tokens,
+            cu_seqlens_k=seq_starts,  # read only by gathering backends, which never run in a graph
+            seq_starts=seq_starts,
+            seqused_k=(positions + 1).to(torch.int32),
+            slots=slots.to(torch.int32),
+            slot_tokens=stride,
             max_query_len=1,
             max_kv_len=self.cache.spec.max_tokens,
         )

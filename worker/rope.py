@@ -13,12 +13,10 @@ def inv_frequencies(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     # float32 throughout, as transformers computes it: the same frequencies bit for bit.
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
-        inv = inv / scaling["factor"]
-    elif kind == "llama3":
-        inv = _llama3(inv, scaling)
+    if config.rope_type == "linear":
+        inv = inv / config.rope_scaling["factor"]
+    elif config.rope_type == "llama3":
+        inv = _llama3(inv, config.rope_scaling)
     return inv
 
 

@@ -77,8 +77,8 @@ def sample(
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         if params.top_p < 1.0:
             sorted_logits, order = torch.sort(scaled, descending=True)
-            cumulative = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token that crosses top_p
+            sorted_probs = sorted_logits.softmax(-1)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the token that crosses top_p
             scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = scaled.softmax(-1)
         token = int(torch.multinomial(probs, 1, generator=_generator(seed, sample_index, output_index, logits.device)))

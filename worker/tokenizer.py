@@ -9,7 +9,6 @@ from typing import Protocol
 
 class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -21,7 +20,6 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255, then BOS 256 and EOS 257 (the random-weight presets' vocabulary)."""
 
-    bos_token_id = 256
     eos_token_ids = (257,)
 
     def encode(self, text: str) -> list[int]:
@@ -37,7 +35,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """``tokenizer.json`` through the ``tokenizers`` library, chat template from ``tokenizer_config.json``."""
 
-    def __init__(self, path: Path, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
+    def __init__(self, path: Path, eos_token_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer as RustTokenizer
 
         file = path / "tokenizer.json"
@@ -49,7 +47,6 @@ class HFTokenizer:
         self._template = config.get("chat_template")
         self._specials = {k: config.get(k) for k in ("bos_token", "eos_token")}
         self.eos_token_ids = eos_token_ids
-        self.bos_token_id = bos_token_id
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
@@ -67,9 +64,9 @@ class HFTokenizer:
         return template.render(messages=messages, add_generation_prompt=True, **specials)
 
 
-def load_tokenizer(model: str, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None) -> Tokenizer:
+def load_tokenizer(model: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
     """The directory's tokenizer, or bytes when there is no ``tokenizer.json`` (presets)."""
     path = Path(model)
     if path.is_dir() and (path / "tokenizer.json").is_file():
-        return HFTokenizer(path, eos_token_ids, bos_token_id)
+        return HFTokenizer(path, eos_token_ids)
     return ByteTokenizer()

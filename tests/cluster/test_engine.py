@@ -47,7 +47,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=123, ignore_eos=True)
     a = run(llm, "hello", params).outputs[0].token_ids
     b = llm.generate(["other prompt", "hello"], [params, params])[1].outputs[0].token_ids  # different batch
-    c = run(llm, "hello", SamplingParams(**{**params.__dict__, "seed": 124})).outputs[0].token_ids
+    c = run(llm, "hello", replace(params, seed=124)).outputs[0].token_ids
     assert a == b
     assert a != c
 

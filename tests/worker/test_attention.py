@@ -24,11 +24,9 @@ LAYERS, HEADS, KV_HEADS, DIM = 2, 8, 2, 64
 def fill(cache, seqs: list[SeqAttention], gen: torch.Generator) -> None:
     for s in seqs:
         for layer in range(LAYERS):
-            k_rows, v_rows = cache.rows(layer)
-            rows = cache.token_rows(s.slot, 0, s.kv_len).to(k_rows.device)
-            shape = (s.kv_len, KV_HEADS, DIM)
-            k_rows[rows] = torch.randn(shape, generator=gen).to(k_rows)
-            v_rows[rows] = torch.randn(shape, generator=gen).to(v_rows)
+            shape, like = (s.kv_len, KV_HEADS, DIM), cache.rows(layer)[0]
+            k = torch.randn(shape, generator=gen).to(like)
+            cache.write(layer, s.slot, 0, k, torch.randn(shape, generator=gen).to(like))
 
 
 def cases(max_tokens: int) -> dict[str, list[tuple[int, int]]]:

@@ -14,7 +14,6 @@ from worker.attention.metadata import AttentionMetadata, SeqAttention
 
 
 class AttentionBackend(Protocol):
-    name: str
     gathers: bool  # needs every KV row listed (AttentionMetadata.kv_rows)
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -22,6 +21,7 @@ class AttentionBackend(Protocol):
 
 
 IN_PLACE = ("fa2", "flash_attn")  # CUDA kernels that read a virtual cache's slots where they are
+BACKENDS = ("torch", "paged", *IN_PLACE)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
@@ -39,8 +39,8 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
         "fa2": FA2Attention,
         "flash_attn": FlashAttnKVCache,
     }
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(backends)}")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
     if name in IN_PLACE and not cuda:
         raise ValueError(f"attention backend {name!r} needs a CUDA device")
     return backends[name]()
@@ -61,4 +61,4 @@ class AttentionStep:
         return self.backend.forward(q, k_rows, v_rows, self.meta)
 
 
-__all__ = ["IN_PLACE", "AttentionBackend", "AttentionMetadata", "AttentionStep", "SeqAttention", "get_backend"]
+__all__ = ["BACKENDS", "IN_PLACE", "AttentionBackend", "AttentionMetadata", "AttentionStep", "SeqAttention", "get_backend"]

@@ -12,7 +12,6 @@ class FA2Attention:
     its length: the kernel reads the virtual cache in place (causal varlen for prefill, chunks that attend
     to a cached prefix, and decode)."""
 
-    name = "fa2"
     gathers = False
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -27,7 +26,6 @@ class PagedGatherFA2:
     """The paged baseline on CUDA: gather each sequence's blocks into one contiguous K/V, then FA2 varlen
     (no block-table argument in torch's FA2; GPU.md measures this at ~3x the in-place read)."""
 
-    name = "paged"
     gathers = True
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

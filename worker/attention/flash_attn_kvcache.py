@@ -30,19 +30,17 @@ class FlashAttnKVCache:
     """Decode sequences (one query each) in one batched call; each prefill chunk in a call of its own,
     causal from the bottom right so that a chunk attends to its cached prefix."""
 
-    name = "flash_attn"
     gathers = False
 
     def __init__(self):
         self._kvcache = import_flash_attn()
-        self._step: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, list[tuple[int, int, int]]] | None = None
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache = k_rows.unflatten(0, (-1, meta.slot_tokens))
         v_cache = v_rows.unflatten(0, (-1, meta.slot_tokens))
         if meta.max_query_len == 1:  # all decode (and every CUDA-graph step, whose meta lists no seqs)
             return self._decode(q, k_cache, v_cache, meta.seqused_k, meta.slots)
-        rows, seqs, prefills = self._plan(meta, q.device)
+        rows, seqs, prefills = meta.decode_split
         out = torch.empty_like(q)
         if len(rows):
             out[rows] = self._decode(q[rows], k_cache, v_cache, meta.seqused_k[seqs], meta.slots[seqs])
@@ -57,19 +55,3 @@ class FlashAttnKVCache:
         # One query sees its whole prefix, so no mask; the kernel folds each KV head's query heads into the
         # query length (one K/V read per KV head).
         return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=slots)[:, 0]
-
-    def _plan(self, meta: AttentionMetadata, device: torch.device):
-        """The decode sequences' query rows and indices, and each prefill chunk's (index, first row, end
-        row): worked out on the first layer of a step, reused by the others (they get the same ``meta``)."""
-        if self._step is None or self._step[0] is not meta:
-            rows, seqs, prefills, row = [], [], [], 0
-            for i, seq in enumerate(meta.seqs):
-                if seq.query_len == 1:
-                    rows.append(row)
-                    seqs.append(i)
-                else:
-                    prefills.append((i, row, row + seq.query_len))
-                row += seq.query_len
-            as_long = dict(dtype=torch.long, device=device)
-            self._step = (meta, torch.tensor(rows, **as_long), torch.tensor(seqs, **as_long), prefills)
-        return self._step[1:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -36,8 +37,11 @@ class AttentionMetadata:
     def build(cls, seqs: list[SeqAttention], cache, device: torch.device, gather: bool) -> "AttentionMetadata":
         """From the step's sequences and the cache that holds them. ``gather``: also list every KV row of
         every sequence (backends that gather; contiguous ones read ``seq_starts`` + ``seqused_k``)."""
-        write_rows = [cache.token_rows(s.slot, s.kv_len - s.query_len, s.kv_len) for s in seqs]
-        kv_rows = [cache.token_rows(s.slot, 0, s.kv_len) for s in seqs] if gather else None
+        if gather:
+            kv_rows = [cache.token_rows(s.slot, 0, s.kv_len) for s in seqs]
+            write_rows = [rows[s.kv_len - s.query_len :] for rows, s in zip(kv_rows, seqs)]
+        else:
+            write_rows = [cache.token_rows(s.slot, s.kv_len - s.query_len, s.kv_len) for s in seqs]
         q_lens = torch.tensor([0] + [s.query_len for s in seqs])
         k_lens = torch.tensor([0] + [s.kv_len for s in seqs])
         starts = [int(rows[0]) - (s.kv_len - s.query_len) for rows, s in zip(write_rows, seqs)]
@@ -55,3 +59,19 @@ class AttentionMetadata:
             max_query_len=max(s.query_len for s in seqs),
             max_kv_len=max(s.kv_len for s in seqs),
         )
+
+    @cached_property
+    def decode_split(self) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int, int], ...]]:
+        """For backends that batch one-query sequences apart from prefill chunks: the decode sequences'
+        query rows and indices (device tensors), and each prefill chunk's (index, first row, end row).
+        Worked out on first use and kept: every layer of the step shares this metadata."""
+        rows, seqs, prefills, row = [], [], [], 0
+        for i, seq in enumerate(self.seqs):
+            if seq.query_len == 1:
+                rows.append(row)
+                seqs.append(i)
+            else:
+                prefills.append((i, row, row + seq.query_len))
+            row += seq.query_len
+        as_long = dict(dtype=torch.long, device=self.seqused_k.device)
+        return torch.tensor(rows, **as_long), torch.tensor(seqs, **as_long), tuple(prefills)

@@ -10,19 +10,19 @@ from worker.attention.metadata import AttentionMetadata
 
 
 class ReferenceAttention:
-    name = "torch"
     gathers = True
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
-        cu_q, cu_k = meta.cu_seqlens_q.tolist(), meta.cu_seqlens_k.tolist()
-        for i, seq in enumerate(meta.seqs):
-            rows = meta.kv_rows[cu_k[i] : cu_k[i + 1]]
-            qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)  # [H, n, D]
+        q_at = k_at = 0  # offsets from the host-side seqs: reading cu_seqlens would sync a GPU every layer
+        for seq in meta.seqs:
+            rows = meta.kv_rows[k_at : k_at + seq.kv_len]
+            qs = q[q_at : q_at + seq.query_len].transpose(0, 1)  # [H, n, D]
             k, v = k_rows[rows].transpose(0, 1), v_rows[rows].transpose(0, 1)  # [Hkv, L, D]
             # Query j sits at position kv_len - query_len + j and sees every key up to it.
             offset = seq.kv_len - seq.query_len
             mask = torch.arange(seq.kv_len, device=q.device)[None, :] <= torch.arange(seq.query_len, device=q.device)[:, None] + offset
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
-            out[cu_q[i] : cu_q[i + 1]] = o.transpose(0, 1)
+            out[q_at : q_at + seq.query_len] = o.transpose(0, 1)
+            q_at, k_at = q_at + seq.query_len, k_at + seq.kv_len
         return out
