@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 
-from cluster.engine import DTYPES, LLM
+from cluster.config import DTYPES
+from cluster.engine import LLM
 from kvmem.spec import LAYOUTS
 from worker.attention import BACKENDS
 from worker.config import PRESETS

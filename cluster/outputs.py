@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str | None  # "stop", "length", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     logprobs: tuple[SampledToken, ...] | None = None
 
 
@@ -34,3 +34,4 @@ class RequestOutput:
     outputs: tuple[CompletionOutput, ...]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # set when the request failed (its completions end with finish_reason "error")

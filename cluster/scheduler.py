@@ -1,6 +1,7 @@
 """Scheduler: FCFS continuous batching with chunked prefill, admission by free pages, and preemption.
 
-Plain Python over a KV cache (``VirtualKVCache`` or ``PagedKVCache``): each step every running sequence
+Plain Python over a ``PageLedger`` -- the page accounting of the workers' caches, with no memory behind
+it; every decision it records (alloc, free, ensure, share, swap) is replayed by every worker. Each step every running sequence
 gets the tokens it still lacks (one for decode, a chunk for prefill) within a token budget, then waiting
 sequences are admitted while slots, pages and budget allow. When pages run out, the latest-arrived running
 sequences are preempted -- by recompute (drop the K/V, compute it again later) or by swap (copy it to host
@@ -15,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cluster.sequence import Sequence, SeqStatus
-from cluster.swap import SwapSpace
 from kvmem import KVCacheError, KVCacheExhausted, MappingPlan
+from kvmem.ledger import PageLedger
+from kvmem.ops import DropSwap, SwapIn, SwapOut
 from worker.sampling import SampledToken
 
 
@@ -48,12 +50,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache):
+    def __init__(self, config: SchedulerConfig, kv: PageLedger):
         self.config = config
-        self.cache = cache
+        self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.swap = SwapSpace(cache, config.swap_space_bytes) if config.preemption_mode == "swap" else None
+        self.swapped_bytes: dict[int, int] = {}  # seq_id -> bytes its host copy holds (on the tightest worker)
         self.num_preemptions = 0
         self._next_seq_id = 0
 
@@ -96,7 +98,7 @@ class Scheduler:
         """Back ``tokens`` of ``seq``'s slot, preempting from the tail of ``running`` until it fits."""
         while True:
             try:
-                self.cache.ensure(seq.slot, tokens)
+                self.kv.ensure(seq.slot, tokens)
                 return True
             except KVCacheExhausted:
                 victim = self.running[-1]
@@ -109,18 +111,19 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             try:
-                slot = self.cache.alloc_slot(len(seq.token_ids))
+                slot = self.kv.alloc_slot(len(seq.token_ids))
             except KVCacheError:
                 break
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             try:
-                self.cache.ensure(slot, seq.num_computed + n)
+                self.kv.ensure(slot, seq.num_computed + n)
             except KVCacheExhausted:
-                self.cache.free_slot(slot)
+                self.kv.free_slot(slot)
                 break
             self.waiting.popleft()
             if seq.status is SeqStatus.SWAPPED:
-                self.swap.swap_in(seq.seq_id, slot)
+                self.kv.record(SwapIn(seq.seq_id, slot))
+                del self.swapped_bytes[seq.seq_id]
             seq.slot, seq.status = slot, SeqStatus.RUNNING
             seq.request.times.scheduled = seq.request.times.scheduled or time.monotonic()
             self.running.append(seq)
@@ -130,31 +133,43 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if self.swap is not None and self.swap.can_hold(seq.num_computed):
-            self.swap.swap_out(seq.seq_id, seq.slot, seq.num_computed)
+        size = seq.num_computed * self.kv.spec.bytes_per_token
+        if self.config.preemption_mode == "swap" and self.swap_used_bytes + size <= self.config.swap_space_bytes:
+            self.kv.record(SwapOut(seq.seq_id, seq.slot, seq.num_computed))
+            self.swapped_bytes[seq.seq_id] = size
             seq.status = SeqStatus.SWAPPED
         else:
             seq.num_computed, seq.status = 0, SeqStatus.WAITING
-        self.cache.free_slot(seq.slot)
+        self.kv.free_slot(seq.slot)
         seq.slot = None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    @property
+    def swap_used_bytes(self) -> int:
+        return sum(self.swapped_bytes.values())
+
     def lookahead(self, out: SchedulerOutput) -> MappingPlan:
         """What the next step will need, for the AsyncMapper to map while this step computes: one more
-        token for each sequence that samples now, the next chunk for each still in prefill.
+        token for each sequence that samples now, the next chunk for each still in prefill. The ledger
+        backs each at once; what it cannot back is left out (best effort: the next ``schedule`` preempts),
+        so the plan every worker gets is one that fits every worker's pool.
 
         (Mapping free slots eagerly for the next admissions was measured too -- H100, 128 requests: no gain
         in wall time, +30% mapped memory from over-mapping -- and left out.)"""
-        limit = self.cache.spec.max_tokens
+        limit = self.kv.spec.max_tokens
         budget = self.config.max_num_batched_tokens
         needs = {}
         for s in out.scheduled:
             done = s.seq.num_computed + s.num_tokens
             step = 1 if s.num_samples else min(len(s.seq.token_ids) - done, budget)
-            needs[s.seq.slot] = min(done + step, limit)
             budget -= step
+            try:
+                self.kv.ensure(s.seq.slot, min(done + step, limit), record=False)
+            except KVCacheExhausted:
+                continue
+            needs[s.seq.slot] = min(done + step, limit)
         return MappingPlan(needs)
 
     # -- results -------------------------------------------------------------------------------
@@ -189,13 +204,13 @@ class Scheduler:
         self._append(child, token)
         if len(self.running) < self.config.max_num_seqs:
             try:
-                child.slot = self.cache.alloc_slot(prompt + 1)
+                child.slot = self.kv.alloc_slot(prompt + 1)
             except KVCacheError:
                 child.slot = None
         if child.slot is None:
             self.waiting.appendleft(child)  # no slot now: it recomputes the prompt later
             return child
-        self.cache.share_prefix(parent.slot, child.slot, prompt)
+        self.kv.share_prefix(parent.slot, child.slot, prompt)
         child.num_computed, child.status = prompt, SeqStatus.RUNNING
         self.running.append(child)
         return child
@@ -207,10 +222,10 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot is not None:
-            self.cache.free_slot(seq.slot)
+            self.kv.free_slot(seq.slot)
             seq.slot = None
-        if self.swap is not None:
-            self.swap.drop(seq.seq_id)
+        if self.swapped_bytes.pop(seq.seq_id, None) is not None:
+            self.kv.record(DropSwap(seq.seq_id))
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         if seq.request.finished:
             seq.request.times.finished = time.monotonic()

@@ -110,6 +110,22 @@ class PagedKVCache(SlotCache):
     def _pool_stats(self) -> tuple[int, int]:
         return self.num_blocks * self.block_bytes, self.num_blocks * self.block_bytes
 
+    def close(self) -> None:
+        """Drop the block pools now, not whenever the object is collected: a second cache made in this
+        process while this one is still referenced gets the memory."""
+        with self._lock:
+            if self.num_blocks == 0:
+                return
+            for slot, state in enumerate(self._slots):
+                self._drop_tail(slot, 0)
+                state.in_use, state.tokens = False, 0
+            self._k = self._v = torch.empty(0, dtype=self.spec.dtype, device=self.device)
+            self._rows = []
+            self._free.clear()
+            self.num_blocks = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the blocks back to the driver, not only to torch's allocator
+
 
 def paged_spec(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16, **kwargs) -> KVCacheSpec:
     """A ``KVCacheSpec`` for ``PagedKVCache`` with a block size of ``block_size`` tokens."""

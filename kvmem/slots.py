@@ -19,7 +19,7 @@ import torch
 
 from kvmem.errors import KVCacheError, KVCacheExhausted
 from kvmem.spec import KVCacheSpec
-from kvmem.stats import Counters, KVCacheStats
+from kvmem.stats import Counters, KVCacheStats, SlotAccounting
 
 Page = Hashable
 
@@ -127,26 +127,33 @@ class SlotCache(ABC):
             v_rows[index] = v
 
     # -- slots ---------------------------------------------------------------------------------
-    def alloc_slot(self, expected_tokens: int = 0) -> int:
+    def alloc_slot(self, expected_tokens: int = 0, slot: int | None = None) -> int:
         """Claim a free slot for a request expected to reach ``expected_tokens`` tokens.
 
         Best fit over still-mapped pages: the free slot with the fewest pages that still cover the
-        expectation, else the one with the most pages.
+        expectation, else the one with the most pages. ``slot`` claims that free slot instead (a worker
+        replaying the choice its scheduler made).
         """
         self._check_tokens(expected_tokens, "expected_tokens")
         need = self.spec.pages_for(expected_tokens)
         with self._lock:
-            free = [i for i, s in enumerate(self._slots) if not s.in_use]
-            if not free:
-                raise KVCacheError(f"no free slot: all {self.spec.max_slots} slots are in use")
-            fits = [i for i in free if len(self._slots[i].pages) >= need]
-            if fits:
-                slot = min(fits, key=lambda i: len(self._slots[i].pages))
+            if slot is not None:
+                if not isinstance(slot, int) or not 0 <= slot < len(self._slots) or self._slots[slot].in_use:
+                    raise ValueError(f"alloc_slot: slot {slot!r} is not a free slot of 0..{len(self._slots) - 1}")
             else:
-                slot = max(free, key=lambda i: len(self._slots[i].pages))
+                slot = self._best_fit(need)
             state = self._slots[slot]
             state.in_use, state.tokens = True, 0
             return slot
+
+    def _best_fit(self, need: int) -> int:
+        free = [i for i, s in enumerate(self._slots) if not s.in_use]
+        if not free:
+            raise KVCacheError(f"no free slot: all {self.spec.max_slots} slots are in use")
+        fits = [i for i in free if len(self._slots[i].pages) >= need]
+        if fits:
+            return min(fits, key=lambda i: len(self._slots[i].pages))
+        return max(free, key=lambda i: len(self._slots[i].pages))
 
     def free_slot(self, slot: int) -> None:
         """Finish with a slot. The virtual cache keeps its pages mapped for reuse (see ``reclaim``).
@@ -307,10 +314,39 @@ class SlotCache(ABC):
         with self._lock:
             self._counters.stall_seconds += seconds
 
+    def free_pages(self) -> int:
+        """Slot pages the pool can hand out now (without reclaiming)."""
+        with self._lock:
+            return self._free_pages()
+
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return sum(s.in_use for s in self._slots)
+
     def mapped_bytes(self) -> int:
         """Physical bytes slots hold now (cheap: what ``stats().mapped_bytes`` reports)."""
         with self._lock:
             return len(self._refs) * self._page_bytes * self.spec.num_buffers
+
+    def accounting(self) -> SlotAccounting:
+        """Tokens and page count of every slot, free pages and shared pages: what a scheduler's
+        ``PageLedger`` and every worker's cache must agree on exactly."""
+        with self._lock:
+            return SlotAccounting(
+                tuple((s.in_use, s.tokens, len(s.pages)) for s in self._slots), self._free_pages(), self._num_shared
+            )
+
+    def counters(self) -> tuple[int, int, float]:
+        """(maps, unmaps, stall seconds) so far: cheap enough to read every step."""
+        with self._lock:
+            c = self._counters
+            return c.maps, c.unmaps, c.stall_seconds
+
+    def recent_map_latency_us(self, n: int) -> tuple[float, ...]:
+        """The latest ``n`` map latency samples (at most what the counters keep)."""
+        with self._lock:
+            samples = self._counters.map_latency_us
+            return tuple(samples)[len(samples) - min(n, len(samples)):]
 
     def stats(self) -> KVCacheStats:
         """A consistent snapshot of memory and activity."""

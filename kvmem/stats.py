@@ -40,3 +40,12 @@ class Counters:
     unmaps: int = 0
     stall_seconds: float = 0.0
     map_latency_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+
+
+@dataclass(frozen=True)
+class SlotAccounting:
+    """The bookkeeping state of a cache, independent of which physical pages back it."""
+
+    slots: tuple[tuple[bool, int, int], ...]  # (in use, tokens, pages) per slot
+    free_pages: int  # slot pages the pool can hand out
+    shared_pages: int  # pages with more than one reference

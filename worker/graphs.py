@@ -16,13 +16,15 @@ from worker.rope import rope_for
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, max_batch: int):
+    def __init__(
+        self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, max_batch: int, scratch: int
+    ):
+        """``scratch``: a slot the caller holds, one token backed, where padding rows read and write."""
         self.model, self.cache, self.backend, self.rope_table = model, cache, backend, rope_table
         self.dtype = next(model.parameters()).dtype
         self.device = rope_table.device
         self.buckets = sorted({min(b, max_batch) for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)} | {max_batch})
-        self.scratch = cache.alloc_slot()  # held for the runner's lifetime: padding reads and writes here
-        cache.ensure(self.scratch, 1)
+        self.scratch = scratch
         # Rows: token, position, slot. Everything else the step needs follows from them on the device.
         self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -45,17 +46,45 @@ def empty_model(config: ModelConfig, dtype, device, tp: TPGroup = TPGroup(), lay
 def random_model(
     config: ModelConfig, dtype, device, tp: TPGroup = TPGroup(), layers=None, seed: int = 0, progress: bool = False
 ) -> Transformer:
-    """Random weights (normal, std 0.02; norms 1) at the preset's shape, made on ``device``."""
+    """Random weights (normal, std 0.02; norms 1) at the preset's shape, made on ``device``.
+
+    Each checkpoint tensor is drawn from its own generator, seeded by ``seed`` and its name, and then
+    sharded as a checkpoint would be: every TP rank and PP stage holds its slice of one and the same model.
+    """
     shard = empty_model(config, dtype, device, tp, layers)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    params = list(shard.named_parameters())
-    with torch.no_grad():
-        for name, p in tqdm(params, desc="initialising weights", disable=not progress):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    shapes = _hf_shapes(config)
+
+    def lookup(name: str) -> torch.Tensor:
+        shape = shapes[name.split(".", 3)[-1] if name.startswith("model.layers.") else name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=dtype, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+
+    _copy_weights(shard, lookup, tp, progress)
     return shard
+
+
+def _hf_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor shapes: per-layer names without their ``model.layers.{i}.`` prefix."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {
+        "self_attn.q_proj.weight": (q, c.hidden_size),
+        "self_attn.k_proj.weight": (kv, c.hidden_size),
+        "self_attn.v_proj.weight": (kv, c.hidden_size),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (c.hidden_size, q),
+        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        "input_layernorm.weight": (c.hidden_size,),
+        "post_attention_layernorm.weight": (c.hidden_size,),
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "lm_head.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
 
 
 def _weight_files(path: Path) -> dict[str, Path]:

@@ -33,6 +33,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TPGroup):
+        """``layer``: this shard's index of the layer, which is also its layer in this shard's KV cache."""
         super().__init__()
         self.layer = layer
         self.n_heads = tp.split(config.num_heads, "num_heads")
@@ -87,7 +88,7 @@ class Transformer(nn.Module):
         self.is_last = self.layer_range.stop == config.num_layers
         # Embedding and LM head stay whole on every TP rank: simple, and small next to the layers.
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleList(Block(config, i, tp) for i in self.layer_range)
+        self.layers = nn.ModuleList(Block(config, j, tp) for j in range(len(self.layer_range)))
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

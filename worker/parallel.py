@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,10 +11,12 @@ from torch import nn
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This shard's place in a tensor-parallel group."""
+    """This shard's place in a tensor-parallel group; ``group`` is the torch.distributed process group
+    of its ranks (None: the default group)."""
 
     rank: int = 0
     size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -29,7 +32,7 @@ class TPGroup:
             return x
         import torch.distributed as dist
 
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
 

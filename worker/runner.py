@@ -36,53 +36,76 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepOutput:
     sampled: dict[int, tuple[SampledToken, ...]]  # seq_id -> tokens drawn (one per requested sample)
+    hidden: torch.Tensor | None = None  # a pipeline stage before the last: its output for the next stage
 
 
 class ModelRunner:
     """One shard's model and KV cache on one device."""
 
     def __init__(
-        self, model: Transformer, cache, backend: AttentionBackend, device: torch.device | str, graph_batch: int = 0
+        self,
+        model: Transformer,
+        cache,
+        backend: AttentionBackend,
+        device: torch.device | str,
+        graph_batch: int = 0,
+        scratch_slot: int | None = None,
+        samples: bool = True,
     ):
         """``graph_batch`` > 0: decode steps of up to that many sequences replay CUDA graphs (CUDA, a
-        backend that does not gather, one TP rank); they hold one cache slot as scratch."""
+        backend that does not gather, one TP rank, the whole model); padding rows use ``scratch_slot``, a
+        slot the caller holds with one token backed. ``samples=False``: a TP rank whose peer samples."""
         self.model = model
         self.cache = cache
         self.backend = backend
         self.device = torch.device(device)
         self._rope = rope_cache(model.config, self.device)
         self._dtype = next(model.parameters()).dtype
+        self.samples = samples
         self._graphs = None
         if graph_batch:
             if self.device.type != "cuda" or backend.gathers:
                 raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
+            if not (model.is_first and model.is_last) or scratch_slot is None:
+                raise ValueError("CUDA graphs need the whole model on one worker and a scratch slot")
             from worker.graphs import DecodeGraphs
 
-            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch)
+            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepOutput:
+        """Run ``plan``; ``inputs`` are the previous pipeline stage's hidden states (none on the first)."""
         chunks = plan.chunks
         for c in chunks:
             held = self.cache.num_tokens(c.slot)
             if c.start + len(c.token_ids) > held:
                 raise ValueError(f"seq {c.seq_id}: tokens up to {c.start + len(c.token_ids)} but slot {c.slot} backs {held}")
-        wanted = [i for i, c in enumerate(chunks) if c.num_samples]
+        if (inputs is None) != self.model.is_first:
+            raise ValueError("the first pipeline stage takes token ids, every later one the previous stage's output")
+        if not self.model.is_last:
+            return StepOutput({}, self._eager_hidden(chunks, inputs))
+        wanted = [i for i, c in enumerate(chunks) if c.num_samples] if self.samples else []
+        if not wanted:  # the layers still run: they write K/V (and join the TP all-reduces)
+            self._eager_hidden(chunks, inputs)
+            return StepOutput({})
         if self._graphs is not None and self._graphs.fits(chunks):
             logits = self._graphs.logits(chunks)[wanted]
         else:
-            logits = self._eager_logits(chunks, wanted)
-        return self._sample(chunks, wanted, logits) if wanted else StepOutput({})
+            hidden = self._eager_hidden(chunks, inputs)
+            ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+            logits = self.model.logits(hidden[ends[wanted].to(self.device)])
+        return self._sample(chunks, wanted, logits)
 
-    def _eager_logits(self, chunks: tuple[ScheduledChunk, ...], wanted: list[int]) -> torch.Tensor:
-        tokens = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+    def _eager_hidden(self, chunks: tuple[ScheduledChunk, ...], inputs: torch.Tensor | None) -> torch.Tensor:
         positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
+        if inputs is None:
+            inputs = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+        else:
+            inputs = inputs.to(self.device)
         seqs = [SeqAttention(c.slot, len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
         meta = AttentionMetadata.build(seqs, self.cache, self.device, self.backend.gathers)
         rope = rope_for(self._rope, positions, self._dtype)
-        hidden = self.model(tokens, rope, AttentionStep(self.cache, self.backend, meta))
-        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-        return self.model.logits(hidden[ends[wanted].to(self.device)])
+        return self.model(inputs, rope, AttentionStep(self.cache, self.backend, meta))
 
     def _sample(self, chunks: tuple[ScheduledChunk, ...], wanted: list[int], logits: torch.Tensor) -> StepOutput:
         # Greedy rows without logprobs take one batched argmax: one device sync for the whole step.

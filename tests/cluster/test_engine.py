@@ -29,7 +29,7 @@ def test_parallel_samples_share_the_prompt_pages(llm):
     params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=7, ignore_eos=True)
     request_id = llm.add_request(prompt, params)
     per_prompt = llm.cache.spec.physical_bytes_for(len(prompt))
-    while len(llm._requests[request_id].seqs) < 4:
+    while len(llm.core._requests[request_id].seqs) < 4:
         llm.step()
     mapped = llm.cache.stats().mapped_bytes
     assert mapped < 4 * per_prompt  # one prompt copy plus the pages the samples wrote into

@@ -20,6 +20,7 @@ def engine(path: str, layout: str, **kw) -> LLM:
 
 
 def assert_drained(llm: LLM) -> None:
+    assert llm.core.ledger.accounting() == llm.cache.accounting()  # the worker replayed every decision
     stats = llm.cache.stats()
     assert (stats.slots_in_use, stats.used_bytes) == (0, 0)
     llm.cache.reclaim(10**9)
@@ -61,5 +62,5 @@ def test_oversubscribed_memory_preempts_and_still_matches(hf_model, layout, mode
         assert tokens(llm.generate(prompts, GREEDY)) == expected
         assert llm.scheduler.num_preemptions > 0
         if mode == "swap":
-            assert llm.scheduler.swap.used_bytes == 0
+            assert llm.scheduler.swap_used_bytes == 0 and llm.core.executor.worker.swap.used_bytes == 0
         assert_drained(llm)

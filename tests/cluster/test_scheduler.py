@@ -1,19 +1,27 @@
-"""The scheduler alone, over a real host-memory cache, with hand-built sampling results (no model)."""
+"""The scheduler alone, over its page ledger, with hand-built sampling results (no model). A real
+host-memory cache replays the ledger's operations, as a worker does, and must agree with it exactly."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
 from cluster.scheduler import Scheduler, SchedulerConfig
 from cluster.sequence import Request, Sequence, SeqStatus
-from kvmem import AsyncMapper, KVCacheSpec, VirtualKVCache
+from kvmem import AsyncMapper, KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
+from kvmem.ledger import PageLedger
+from kvmem.ops import AllocSlot, Ensure, apply_ops
+from kvmem.swap import SwapSpace
 from worker.sampling import SampledToken, SamplingParams
 
 SPEC = KVCacheSpec(2, 2, 16, torch.float32, max_slots=4, max_tokens=256, layout="mega", page_size=4096)  # 16 tokens/page
 
 
-def add(scheduler: Scheduler, prompt_len: int, max_tokens: int = 8) -> Sequence:
-    request = Request(str(prompt_len), None, tuple(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens), 0)
+def add(scheduler: Scheduler, prompt_len: int, max_tokens: int = 8, n: int = 1) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, n=n)
+    request = Request(str(prompt_len), None, tuple(range(3, 3 + prompt_len)), params, 0)
     seq = Sequence(scheduler.new_seq_id(), request, 0, list(request.prompt_token_ids))
     request.seqs.append(seq)
     scheduler.add(seq)
@@ -25,39 +33,85 @@ def sample_all(out) -> dict[int, tuple[SampledToken, ...]]:
 
 
 def test_chunked_prefill_and_the_lookahead_plan():
+    ledger = PageLedger(SPEC, 64, keeps_pages_on_free=True)
     with VirtualKVCache(SPEC, 64 * 2 * 4096) as cache, AsyncMapper(cache) as mapper:
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), cache)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), ledger)
         a, b, c = add(scheduler, 40), add(scheduler, 30), add(scheduler, 50)
         out = scheduler.schedule()
         assert [(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled] == [(a, 40, 1), (b, 24, 0)]
+        assert ledger.take_ops() == (AllocSlot(a.slot), Ensure(a.slot, 40), AllocSlot(b.slot), Ensure(b.slot, 24))
+        apply_ops(cache, (AllocSlot(a.slot), Ensure(a.slot, 40), AllocSlot(b.slot), Ensure(b.slot, 24)))
         plan = scheduler.lookahead(out)
         assert plan.needs == {a.slot: 41, b.slot: 30}
+        assert not ledger.has_ops  # mapping ahead travels as the plan, not as operations
         mapper.wait(mapper.submit(plan))
         assert (cache.num_tokens(a.slot), cache.num_tokens(b.slot)) == (41, 30)
         scheduler.postprocess(out, sample_all(out))
         maps = cache.stats().maps
         out = scheduler.schedule()
         assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(a, 1), (b, 6), (c, 50)]
-        assert cache.stats().maps == maps + 4  # only c's 4 pages: a's and b's were mapped ahead
+        assert ledger.take_ops() == (AllocSlot(c.slot), Ensure(c.slot, 50))  # a's and b's were backed ahead
+        apply_ops(cache, (AllocSlot(c.slot), Ensure(c.slot, 50)))
+        assert cache.stats().maps == maps + 4  # only c's 4 pages
+        assert ledger.accounting() == cache.accounting()
 
 
 def test_preemption_takes_the_latest_arrival_and_recomputes_it_later():
-    pool = 6 * 2 * 4096  # 6 page groups = 96 tokens
-    with VirtualKVCache(SPEC, pool) as cache:
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256), cache)
-        first, second, third = add(scheduler, 30, 40), add(scheduler, 30, 40), add(scheduler, 30, 40)
-        out = scheduler.schedule()
-        assert [s.seq for s in out.scheduled] == [first, second, third]  # 2 pages each: the pool is full
-        scheduler.postprocess(out, sample_all(out))
-        for _ in range(2):  # tokens 31, 32 fit in the second pages
-            scheduler.postprocess(scheduler.schedule(), {s.seq_id: (SampledToken(7),) for s in (first, second, third)})
-        out = scheduler.schedule()  # token 33 needs a third page each: the latest arrival goes
-        assert out.preempted == [third] and third.status is SeqStatus.WAITING
-        assert [s.seq for s in out.scheduled] == [first, second]  # third's two pages were enough for both
-        assert (third.num_computed, third.num_preemptions, scheduler.num_preemptions) == (0, 1, 1)
-        assert list(scheduler.waiting) == [third]
-        scheduler.postprocess(out, sample_all(out))
-        scheduler.finish(first, "length")
-        scheduler.finish(second, "length")
-        out = scheduler.schedule()  # recompute: prompt and the three tokens it had sampled, in one chunk
-        assert [(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled] == [(third, 33, 1)]
+    ledger = PageLedger(SPEC, 6, keeps_pages_on_free=True)  # 6 pages = 96 tokens
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256), ledger)
+    first, second, third = add(scheduler, 30, 40), add(scheduler, 30, 40), add(scheduler, 30, 40)
+    out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == [first, second, third]  # 2 pages each: the pool is full
+    scheduler.postprocess(out, sample_all(out))
+    for _ in range(2):  # tokens 31, 32 fit in the second pages
+        scheduler.postprocess(scheduler.schedule(), {s.seq_id: (SampledToken(7),) for s in (first, second, third)})
+    out = scheduler.schedule()  # token 33 needs a third page each: the latest arrival goes
+    assert out.preempted == [third] and third.status is SeqStatus.WAITING
+    assert [s.seq for s in out.scheduled] == [first, second]  # third's two pages were enough for both
+    assert (third.num_computed, third.num_preemptions, scheduler.num_preemptions) == (0, 1, 1)
+    assert list(scheduler.waiting) == [third]
+    scheduler.postprocess(out, sample_all(out))
+    scheduler.finish(first, "length")
+    scheduler.finish(second, "length")
+    out = scheduler.schedule()  # recompute: prompt and the three tokens it had sampled, in one chunk
+    assert [(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled] == [(third, 33, 1)]
+
+
+def _worker_cache(layout: str, pages: int):
+    if layout == "paged":
+        spec = paged_spec(2, 2, 16, dtype=torch.float32, max_slots=4, max_tokens=256)
+        return spec, PagedKVCache(spec, pages * spec.page_size * spec.bytes_per_token)
+    return SPEC, VirtualKVCache(SPEC, pages * 2 * 4096)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("layout", ["mega", "paged"])
+def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mode):
+    """Random arrivals, n > 1 forks over shared pages, aborts and preemption under a tight pool: after every
+    step the replaying cache holds the same slots, tokens, page counts and free pages as the ledger."""
+    rng = random.Random(0)
+    spec, cache = _worker_cache(layout, 12)
+    ledger = PageLedger(spec, 12, keeps_pages_on_free=layout != "paged")
+    swap = SwapSpace(cache)
+    scheduler = Scheduler(SchedulerConfig(4, 48, mode, 1 << 20), ledger)
+    with cache, AsyncMapper(cache) as mapper:
+        for step in range(300):
+            if step < 200 and rng.random() < 0.3:
+                add(scheduler, rng.randint(1, 60), rng.randint(1, 30), n=rng.choice([1, 1, 2]))
+            if scheduler.running and rng.random() < 0.05:
+                scheduler.finish(rng.choice(scheduler.running), "abort")
+            out = scheduler.schedule()
+            apply_ops(cache, ledger.take_ops(), swap)
+            plan = mapper.submit(scheduler.lookahead(out))
+            mapper.wait(plan)  # the plan always fits the replaying cache's pool
+            for seq in scheduler.postprocess(out, sample_all(out)):
+                if seq.num_output_tokens >= seq.request.params.max_tokens:
+                    scheduler.finish(seq, "length")
+            apply_ops(cache, ledger.take_ops(), swap)
+            assert ledger.accounting() == cache.accounting()
+        assert scheduler.num_preemptions > 0
+        for seq in list(scheduler.running) + list(scheduler.waiting):
+            scheduler.finish(seq, "abort")
+        apply_ops(cache, ledger.take_ops(), swap)
+        assert ledger.accounting() == cache.accounting()
+        assert cache.stats().slots_in_use == 0 and swap.used_bytes == 0 and scheduler.swap_used_bytes == 0

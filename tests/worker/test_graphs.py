@@ -33,7 +33,9 @@ def test_graph_replay_matches_eager_logits(batch, backend):
     with VirtualKVCache(spec, 16 * spec.num_buffers * spec.page_size, make_vmm("cuda")) as cache:
         impl = get_backend(backend, "cuda")
         eager = ModelRunner(model, cache, impl, "cuda")
-        graphs = ModelRunner(model, cache, impl, "cuda", graph_batch=6)
+        scratch = cache.alloc_slot()
+        cache.ensure(scratch, 1)
+        graphs = ModelRunner(model, cache, impl, "cuda", graph_batch=6, scratch_slot=scratch)
         gen = torch.Generator().manual_seed(batch)
         slots, lengths = [cache.alloc_slot() for _ in range(batch)], [7 + 31 * i for i in range(batch)]
         last = {}

@@ -6,19 +6,18 @@ import torch
 
 
 class SwapSpace:
-    """Host copies of swapped-out sequences, up to ``capacity_bytes``."""
+    """Host copies of swapped-out sequences of one cache. Whoever swaps out checks capacity first
+    (the scheduler's accounting); ``used_bytes`` says what is held."""
 
-    def __init__(self, cache, capacity_bytes: int):
+    def __init__(self, cache):
         self.cache = cache
-        self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._store: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def can_hold(self, tokens: int) -> bool:
-        return self.used_bytes + tokens * self.cache.spec.bytes_per_token <= self.capacity_bytes
-
     def swap_out(self, seq_id: int, slot: int, tokens: int) -> None:
         """Copy tokens ``[0, tokens)`` of ``slot``, every layer, to host memory."""
+        if seq_id in self._store:
+            raise ValueError(f"sequence {seq_id} is already swapped out")
         rows = self.cache.token_rows(slot, 0, tokens).to(self.cache.device)
         cuda = self.cache.device.type == "cuda"
         saved = []
@@ -32,6 +31,8 @@ class SwapSpace:
 
     def swap_in(self, seq_id: int, slot: int) -> int:
         """Write a swapped sequence back into ``slot`` (already backed); returns its token count."""
+        if seq_id not in self._store:
+            raise ValueError(f"sequence {seq_id} is not swapped out")
         saved = self._store.pop(seq_id)
         tokens = saved[0][0].shape[0]
         device = self.cache.device

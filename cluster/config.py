@@ -1,0 +1,156 @@
+"""EngineConfig and the plan made from it before anything loads: layer ranges, KV specs and pools per
+worker, and the scheduler's page ledger.
+
+Every worker must keep the same page arithmetic as the scheduler's ledger, so that replaying the ledger's
+operations keeps all of them in lock-step: the same tokens per page (the ``mega`` layout of an uneven
+pipeline split is padded to the largest stage) and the same number of slot pages (each pool is sized to
+the tightest worker's count under ``kv_memory``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from kvmem import KVCacheSpec
+from kvmem.ledger import PageLedger
+from worker.attention import IN_PLACE
+from worker.config import PRESETS, ModelConfig
+from worker.worker import WorkerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an engine. ``kv_memory`` is the physical KV pool of each worker (each GPU), in bytes;
+    ``distributed="ray"`` runs a scheduler actor and one worker actor per (pp stage, tp rank)."""
+
+    model: str = "tiny"
+    kv_layout: str = "mega"
+    attention: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_memory: int = 1 << 30
+    page_size: int = 2 << 20
+    block_size: int = 16
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space: int = 4 << 30
+    dtype: str = "auto"
+    device: str | None = None
+    cuda_graphs: bool | None = None
+    seed: int = 0
+    progress: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed: Literal["local", "ray"] = "local"
+    placement_strategy: str = "STRICT_PACK"
+    placement_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What ``plan`` derived: one ``WorkerConfig`` per worker (pp-major), and the ledger's shape."""
+
+    config: EngineConfig
+    model: ModelConfig
+    device: str
+    dtype: torch.dtype
+    attention: str
+    max_model_len: int
+    workers: tuple[WorkerConfig, ...]
+    ledger_spec: KVCacheSpec
+    num_pages: int
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.workers[0].graph_batch > 0
+
+    def new_ledger(self) -> PageLedger:
+        """A fresh ledger (and the CUDA graphs' scratch slot in it, recorded for the workers)."""
+        ledger = PageLedger(self.ledger_spec, self.num_pages, keeps_pages_on_free=self.ledger_spec.layout != "paged")
+        if self.cuda_graphs:
+            scratch = ledger.alloc_slot(1)
+            ledger.ensure(scratch, 1)
+            if scratch != self.workers[0].scratch_slot:
+                raise AssertionError(f"the graphs' scratch slot is {scratch}, the workers expect {self.workers[0].scratch_slot}")
+        return ledger
+
+
+def model_config(model: str) -> ModelConfig:
+    """A preset's or a model directory's shape, without loading weights."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if not Path(model).is_dir():
+        raise FileNotFoundError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    return ModelConfig.from_hf(model)
+
+
+def split_layers(num_layers: int, stages: int) -> list[range]:
+    """Contiguous layer ranges, the earlier stages one layer longer where it does not divide."""
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {stages!r}")
+    if stages > num_layers:
+        raise ValueError(f"pipeline_parallel_size={stages} is larger than the model's {num_layers} layers")
+    base, extra = divmod(num_layers, stages)
+    starts = [s * base + min(s, extra) for s in range(stages + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(stages)]
+
+
+def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
+    """Check ``config`` against ``model`` and lay out the workers; every error names the numbers."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    for what, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {what}={n}")
+    ranges = split_layers(model.num_layers, pp)
+    if config.distributed not in ("local", "ray"):
+        raise ValueError(f"distributed must be 'local' or 'ray', got {config.distributed!r}")
+    if config.distributed == "local" and tp * pp > 1:
+        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs distributed='ray'")
+    if config.placement_strategy not in STRATEGIES:
+        raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")
+    dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    if dtype_name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {config.dtype!r}")
+    layout = config.kv_layout
+    attention = config.attention or ("paged" if layout == "paged" else "fa2" if device == "cuda" else "torch")
+    if attention in IN_PLACE and (layout == "paged" or device != "cuda"):
+        raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
+    if attention in IN_PLACE and model.head_dim % 8:
+        # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.
+        raise ValueError(f"attention {attention!r} needs head_dim a multiple of 8, got {model.head_dim}")
+    graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in IN_PLACE and tp * pp == 1
+    if graphs and attention not in IN_PLACE:
+        raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {IN_PLACE}, got {attention!r}")
+    if graphs and tp * pp > 1:
+        raise ValueError("cuda_graphs run the whole model on one worker: turn them off with tensor or pipeline parallelism")
+    max_model_len = min(config.max_model_len or model.max_context, model.max_context)
+    slots = config.max_num_seqs + (1 if graphs else 0)  # CUDA graphs hold one slot as scratch for padded rows
+    page = config.block_size if layout == "paged" else config.page_size  # tokens per block, or bytes per page
+    # Mega pages span a stage's layers: pad every stage to the longest so that all share tokens per page.
+    layers = max(len(r) for r in ranges)
+    dtype = DTYPES[dtype_name]
+    specs = [KVCacheSpec(layers if layout == "mega" else len(r), model.num_kv_heads // tp, model.head_dim, dtype,
+                         slots, max_model_len, layout, page) for r in ranges]
+    unit = [s.page_size * s.token_bytes if layout == "paged" else s.page_size for s in specs]  # one buffer's page
+    page_bytes = [u * s.num_buffers for u, s in zip(unit, specs)]  # one slot page, all buffers
+    num_pages = min(config.kv_memory // b for b in page_bytes)
+    if num_pages <= 0:
+        raise ValueError(f"kv_memory={config.kv_memory} bytes holds no KV page of {max(page_bytes)} bytes")
+    workers = tuple(
+        WorkerConfig(config.model, dtype, device, specs[p], num_pages * page_bytes[p], attention, ranges[p], p, t, tp,
+                     config.max_num_seqs if graphs else 0, 0 if graphs else None, config.preemption_mode == "swap",
+                     config.seed, config.progress)
+        for p in range(pp) for t in range(tp)
+    )
+    ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]
+    return EnginePlan(config, model, device, dtype, attention, max_model_len, workers, ledger_spec, num_pages)
+

@@ -1,0 +1,268 @@
+"""EngineCore: the scheduler's side of the engine -- requests, the step loop, stop conditions, outputs.
+
+One step: schedule over the page ledger, ship one ``StepInput`` (the batch, the KV operations the ledger
+recorded, the next step's mapping plan) to the executor, append what comes back. The same core runs in
+the caller's process (``LLM``) and inside the Ray scheduler actor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from cluster.config import EnginePlan
+from cluster.executor import Executor
+from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from cluster.sequence import Request, Sequence, SeqStatus
+from cluster.telemetry import EngineSnapshot, RequestProgress, Telemetry
+from worker.messages import NewSeq, StepInput
+from worker.sampling import SamplingParams
+from worker.tokenizer import Tokenizer
+
+Prompt = str | list[int]  # text, or token ids
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the last step ran (for benchmarks and metrics)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int  # tokens of chunks that did not end in a sample, or that were longer than one
+    num_preempted: int
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, not yet queued."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+class EngineCore:
+    def __init__(self, plan: EnginePlan, executor: Executor, tokenizer: Tokenizer):
+        self.plan = plan
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.max_model_len = plan.max_model_len
+        self.telemetry = Telemetry(plan)
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_rebuilds = 0
+        self.last_step: StepInfo | None = None
+        self._reset_scheduler()
+
+    def _reset_scheduler(self) -> None:
+        c = self.plan.config
+        self.ledger = self.plan.new_ledger()
+        self.scheduler = Scheduler(
+            SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.preemption_mode, c.swap_space), self.ledger
+        )
+        self._announced: set[int] = set()  # sequences whose sampling state the workers hold
+        self._forget: list[int] = []  # announced sequences that finished since the last step
+
+    # -- requests ------------------------------------------------------------------------------
+    def prepare(self, prompt: Prompt, params: SamplingParams | None) -> PreparedRequest:
+        """Validate and tokenize; bad input raises ``ValueError`` naming the field. Touches no state but
+        the id counter, so a caller may run it beside the step loop."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.plan.model.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the maximum context is {self.max_model_len}")
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if not self.ledger.fits(longest):
+            raise ValueError(
+                f"request needs {longest} tokens of KV cache in one slot, more than the whole pool "
+                f"({self.plan.workers[0].pool_bytes} bytes per worker) can hold: it could never run"
+            )
+        text = prompt if isinstance(prompt, str) else None
+        return PreparedRequest(str(next(self._ids)), text, tuple(ids), params)
+
+    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]:
+        """Validate every prompt, then queue them all (none is queued if one is bad); their ids."""
+        prepared = [self.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        return [self.add(r) for r in prepared]
+
+    def add(self, request: PreparedRequest) -> str:
+        params = request.params
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        r = Request(request.request_id, request.prompt, request.token_ids, params, seed)
+        seq = Sequence(self.scheduler.new_seq_id(), r, 0, list(request.token_ids))
+        r.seqs.append(seq)
+        self._requests[r.request_id] = r
+        self.scheduler.add(seq)
+        return r.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its memory is freed."""
+        request = self._requests.pop(request_id, None)
+        for seq in request.seqs if request else ():
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq, "abort")
+        if not self.scheduler.has_work:
+            self.flush()
+
+    def poll(self, finished_only: bool) -> list[RequestOutput]:
+        return self.step(finished_only)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One scheduling step; returns the requests that made progress (finished ones removed), or with
+        ``finished_only`` just those that finished (no text is built for the others)."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.has_work and not self.scheduler.running:
+                raise RuntimeError("no waiting request fits in the KV cache and nothing runs to free memory")
+            return []
+        self.last_step = StepInfo(
+            len(out.scheduled),
+            sum(s.num_tokens for s in out.scheduled),
+            sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1 or not s.num_samples),
+            len(out.preempted),
+        )
+        result = self.executor.execute(self._step_input(out))
+        self.num_steps += 1
+        self.telemetry.record(result.reports)
+        updated = self.scheduler.postprocess(out, result.sampled)
+        for seq in updated:
+            self._check_stop(seq)
+        touched = {seq.request.request_id: seq.request for seq in updated}
+        outputs = [self._output(r) for r in touched.values() if r.finished or not finished_only]
+        for o in outputs:
+            if o.finished:
+                del self._requests[o.request_id]
+        if not self.scheduler.has_work:
+            self.flush()
+        return outputs
+
+    def flush(self) -> None:
+        """Send the workers what the ledger recorded since the last step (the frees of the last requests to
+        finish, an abort) without a batch, so that an idle engine's workers hold what its ledger holds."""
+        if self.ledger.has_ops or self._forget:
+            forget, self._forget = tuple(self._forget), []
+            self.telemetry.record(self.executor.execute(StepInput(self.num_steps, (), forget, self.ledger.take_ops())).reports)
+
+    def _step_input(self, out: SchedulerOutput) -> StepInput:
+        ops = self.ledger.take_ops()
+        ahead = self.scheduler.lookahead(out).needs  # backed in the ledger now, mapped by the workers meanwhile
+        new, seq_ids, slots, starts, samples, produced, tokens, offsets = [], [], [], [], [], [], [], [0]
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.seq_id not in self._announced:
+                self._announced.add(seq.seq_id)
+                new.append(NewSeq(seq.seq_id, seq.request.params, seq.request.seed, seq.sample_index))
+            seq_ids.append(seq.seq_id)
+            slots.append(seq.slot)
+            starts.append(seq.num_computed)
+            samples.append(s.num_samples)
+            produced.append(seq.num_output_tokens)
+            tokens.extend(seq.token_ids[seq.num_computed : seq.num_computed + s.num_tokens])
+            offsets.append(len(tokens))
+        forget, self._forget = tuple(self._forget), []
+        return StepInput(self.num_steps, tuple(new), forget, ops, ahead, tuple(seq_ids), tuple(slots), tuple(starts),
+                         tuple(samples), tuple(produced), tuple(tokens), tuple(offsets))
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if seq.seq_id in self._announced:
+            self._announced.discard(seq.seq_id)
+            self._forget.append(seq.seq_id)
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p = seq.request.params
+        token = seq.token_ids[-1]
+        text = self.tokenizer.decode(seq.output_token_ids) if p.stop else ""  # once, not once per stop string
+        reason = None
+        if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif any(s in text for s in p.stop):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        if reason:
+            self._finish(seq, reason)
+
+    def _output(self, r: Request, error: str | None = None) -> RequestOutput:
+        completions = []
+        for seq in sorted(r.seqs, key=lambda s: s.sample_index):
+            text = self.tokenizer.decode(seq.output_token_ids)
+            for stop in r.params.stop:
+                if stop in text:
+                    text = text[: text.index(stop)]
+            logprobs = tuple(seq.logprobs) if r.params.logprobs is not None else None
+            completions.append(CompletionOutput(seq.sample_index, text, tuple(seq.output_token_ids), seq.finish_reason, logprobs))
+        t = r.times
+        metrics = RequestMetrics(
+            t.first_token - t.arrival if t.first_token else None,
+            t.scheduled - t.arrival if t.scheduled else None,
+            t.finished - t.arrival if t.finished else None,
+            sum(s.num_preemptions for s in r.seqs),
+        )
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, tuple(completions), r.finished or error is not None,
+                             metrics, error)
+
+    # -- faults --------------------------------------------------------------------------------
+    def recover(self, error: BaseException) -> list[RequestOutput]:
+        """After the worker group failed: fail every request in flight with ``error``, rebuild the group
+        and a fresh ledger, and queue again the requests that had not started. Returns the failed outputs."""
+        message = f"the worker group failed and was rebuilt; this request was in flight: {error}"
+        failed, kept = [], []
+        for r in self._requests.values():
+            started = any(s.status is not SeqStatus.WAITING or s.num_computed or s.num_output_tokens for s in r.seqs)
+            (failed if started else kept).append(r)
+        outputs = []
+        for r in failed:
+            for seq in r.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    seq.status, seq.finish_reason, seq.slot = SeqStatus.FINISHED, "error", None
+            outputs.append(self._output(r, message))
+            del self._requests[r.request_id]
+        self.executor.rebuild()
+        self.num_rebuilds += 1
+        self.telemetry.reset()
+        preemptions = self.scheduler.num_preemptions
+        self._reset_scheduler()
+        self.scheduler.num_preemptions = preemptions  # a counter: it never goes back
+        for r in kept:
+            seq = r.seqs[0]
+            seq.slot, seq.status = None, SeqStatus.WAITING
+            self.scheduler.add(seq)
+        return outputs
+
+    # -- telemetry -----------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        requests = []
+        for r in self._requests.values():
+            statuses = {s.status for s in r.seqs}
+            status = next(st.value for st in (SeqStatus.RUNNING, SeqStatus.SWAPPED, SeqStatus.WAITING, SeqStatus.FINISHED)
+                          if st in statuses)
+            requests.append(RequestProgress(r.request_id, status, len(r.prompt_token_ids),
+                                            sum(s.num_output_tokens for s in r.seqs), r.params.max_tokens,
+                                            sum(s.num_preemptions for s in r.seqs)))
+        s = self.scheduler
+        swapped = sum(seq.status is SeqStatus.SWAPPED for seq in s.waiting)
+        return EngineSnapshot(self.telemetry.workers(self.ledger), tuple(requests), len(s.running),
+                              len(s.waiting) - swapped, swapped, s.num_preemptions, self.num_steps, self.num_rebuilds)
+
+    def close(self) -> None:
+        self.executor.close()

@@ -1,0 +1,85 @@
+"""KV operations a scheduler decides and every worker applies in the same order.
+
+A scheduler keeps its page accounting in a ``PageLedger``; each call that changes it is recorded as one
+of these small messages. A worker replays them on its own cache (``apply_ops``), so every tensor- and
+pipeline-parallel shard holds the same slots with the same page counts without asking anyone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmem.slots import SlotCache
+from kvmem.swap import SwapSpace
+
+
+@dataclass(frozen=True, slots=True)
+class AllocSlot:
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class FreeSlot:
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ensure:
+    slot: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SharePrefix:
+    src: int
+    dst: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapOut:
+    seq_id: int
+    slot: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapIn:
+    seq_id: int
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropSwap:
+    seq_id: int
+
+
+KVOp = AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap
+
+
+def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSpace | None = None) -> None:
+    """Replay ``ops`` on ``cache`` (and its swap space) in order."""
+    for op in ops:
+        match op:
+            case Ensure(slot, tokens):
+                cache.ensure(slot, tokens)
+            case AllocSlot(slot):
+                cache.alloc_slot(0, slot=slot)
+            case FreeSlot(slot):
+                cache.free_slot(slot)
+            case SharePrefix(src, dst, tokens):
+                cache.share_prefix(src, dst, tokens)
+            case SwapOut(seq_id, slot, tokens):
+                _swap(swap, op).swap_out(seq_id, slot, tokens)
+            case SwapIn(seq_id, slot):
+                _swap(swap, op).swap_in(seq_id, slot)
+            case DropSwap(seq_id):
+                _swap(swap, op).drop(seq_id)
+            case _:
+                raise TypeError(f"not a KV operation: {op!r}")
+
+
+def _swap(swap: SwapSpace | None, op: KVOp) -> SwapSpace:
+    if swap is None:
+        raise ValueError(f"{op} needs a swap space, and this cache has none")
+    return swap

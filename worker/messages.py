@@ -1,0 +1,66 @@
+"""What a scheduler sends a worker each step, and what comes back.
+
+Modelled on vLLM v1's ``SchedulerOutput``: a sequence's sampling state travels once (``NewSeq``), then
+each step carries only the batch as columns of ints, the KV operations every worker applies in the same
+order, and the mapping plan for the next step. A decode step of B sequences is a few ints per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmem.ops import KVOp
+from worker.sampling import SampledToken, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewSeq:
+    """Sampling state of a sequence, sent with the first step that schedules it."""
+
+    seq_id: int
+    params: SamplingParams
+    seed: int
+    sample_index: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step for every worker. The batch is column-wise: chunk i is ``token_ids[offsets[i]:offsets[i+1]]``
+    of sequence ``seq_ids[i]`` at positions ``starts[i]..`` of ``slots[i]``, drawing ``num_samples[i]`` tokens."""
+
+    step: int
+    new_seqs: tuple[NewSeq, ...] = ()
+    finished_seqs: tuple[int, ...] = ()  # forget these sequences' state
+    kv_ops: tuple[KVOp, ...] = ()  # applied in order before the step runs
+    ahead: dict[int, int] = field(default_factory=dict)  # slot -> tokens, mapped while the step computes
+    seq_ids: tuple[int, ...] = ()
+    slots: tuple[int, ...] = ()
+    starts: tuple[int, ...] = ()
+    num_samples: tuple[int, ...] = ()
+    output_index: tuple[int, ...] = ()  # tokens each sequence has generated so far (seeds its sampler)
+    token_ids: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = (0,)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """A worker's KV pool after a step: counters only, cheap to read every step."""
+
+    pp_rank: int
+    tp_rank: int
+    slots_in_use: int
+    mapped_bytes: int
+    free_pages: int  # slot pages the pool can still hand out
+    maps: int  # cumulative
+    unmaps: int
+    stall_seconds: float
+    swap_bytes: int
+    map_latency_us: tuple[float, ...]  # samples since the previous report
+
+
+@dataclass(frozen=True)
+class WorkerOutput:
+    """``sampled`` is filled by the sampling worker only (last stage, TP rank 0)."""
+
+    sampled: dict[int, tuple[SampledToken, ...]]
+    report: WorkerReport

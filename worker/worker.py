@@ -1,0 +1,112 @@
+"""Worker: one model shard (a TP rank of a PP stage) with its own KV cache, async mapper and swap space.
+
+It applies each step's KV operations exactly as its scheduler recorded them, hands the next step's
+mapping plan to its mapper, and runs the step while the mapper maps. The same class runs in-process and
+inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmem import AsyncMapper, KVCacheSpec, MappingPlan, PagedKVCache, VirtualKVCache, default_vmm
+from kvmem.ops import apply_ops
+from kvmem.swap import SwapSpace
+from worker.attention import get_backend
+from worker.loader import build_model
+from worker.messages import NewSeq, StepInput, WorkerReport
+from worker.model import Transformer
+from worker.parallel import TPGroup
+from worker.runner import ModelRunner, ScheduledChunk, StepOutput, StepPlan
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one shard needs to build itself; the scheduler makes one per (pp stage, tp rank)."""
+
+    model: str  # preset name or Hugging Face model directory
+    dtype: torch.dtype
+    device: str
+    kv_spec: KVCacheSpec  # this shard's layers and heads
+    pool_bytes: int
+    attention: str
+    layers: range
+    pp_rank: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    graph_batch: int = 0  # > 0: CUDA-graph decode steps up to this batch
+    scratch_slot: int | None = None  # the graphs' padding slot (the scheduler holds it in its ledger)
+    swap: bool = False
+    seed: int = 0
+    progress: bool = False
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, model: Transformer | None = None, tp_group=None):
+        """``model``: an already built shard (in-process use); ``tp_group``: the torch.distributed group
+        of this stage's TP ranks when ``tp_size`` > 1."""
+        self.config = config
+        self.device = torch.device(config.device)
+        backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
+        tp = TPGroup(config.tp_rank, config.tp_size, tp_group)
+        self.model = model or build_model(config.model, config.dtype, self.device, tp, config.layers, config.seed, config.progress)
+        self.cache = self._make_cache()
+        try:
+            self.runner = ModelRunner(self.model, self.cache, backend, self.device, config.graph_batch,
+                                      config.scratch_slot, samples=config.tp_rank == 0)
+            self.swap = SwapSpace(self.cache) if config.swap else None
+            self.mapper = AsyncMapper(self.cache)
+        except BaseException:
+            self.cache.close()  # a failed constructor leaves no reservation behind
+            raise
+        self._seqs: dict[int, NewSeq] = {}
+        self._reported_maps = 0
+
+    def _make_cache(self):
+        c = self.config
+        if c.kv_spec.layout == "paged":
+            return PagedKVCache(c.kv_spec, c.pool_bytes, self.device)
+        return VirtualKVCache(c.kv_spec, c.pool_bytes, default_vmm(self.device))
+
+    def execute(self, step: StepInput, inputs: torch.Tensor | None = None) -> StepOutput:
+        """Apply the step's KV operations, map ahead while the step runs, run it."""
+        for seq in step.new_seqs:
+            self._seqs[seq.seq_id] = seq
+        for seq_id in step.finished_seqs:
+            self._seqs.pop(seq_id, None)
+        apply_ops(self.cache, step.kv_ops, self.swap)
+        if not step.seq_ids:
+            return StepOutput({})
+        ahead = self.mapper.submit(MappingPlan(step.ahead))
+        try:
+            return self.runner.execute(StepPlan(self._chunks(step)), inputs)
+        finally:
+            # The scheduler sent only a plan that fits this pool: an error here means the ledger and this
+            # cache disagree, which the caller must treat as fatal for the worker group.
+            self.mapper.wait(ahead)
+
+    def _chunks(self, step: StepInput) -> tuple[ScheduledChunk, ...]:
+        chunks = []
+        for i, seq_id in enumerate(step.seq_ids):
+            seq = self._seqs[seq_id]
+            tokens = step.token_ids[step.offsets[i] : step.offsets[i + 1]]
+            chunks.append(ScheduledChunk(seq_id, step.slots[i], tokens, step.starts[i], step.num_samples[i],
+                                         seq.params, seq.seed, step.output_index[i], seq.sample_index))
+        return tuple(chunks)
+
+    def report(self) -> WorkerReport:
+        """This shard's pool counters (no walk over slots' pages)."""
+        maps, unmaps, stall = self.cache.counters()
+        latencies = self.cache.recent_map_latency_us(maps - self._reported_maps)
+        self._reported_maps = maps
+        return WorkerReport(self.config.pp_rank, self.config.tp_rank, self.cache.slots_in_use(), self.cache.mapped_bytes(),
+                            self.cache.free_pages(), maps, unmaps, stall, self.swap.used_bytes if self.swap else 0, latencies)
+
+    def close(self) -> None:
+        """Stop the mapper and give every byte of KV memory back."""
+        try:
+            self.mapper.close()
+        finally:
+            self.cache.close()
