@@ -28,9 +28,9 @@ ParamsArg = SamplingParams | Seq[SamplingParams] | None  # one for all prompts, 
 class Engine(Protocol):
     """What ``LLM`` drives: the in-process ``EngineCore`` or the Ray scheduler actor's client."""
 
-    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]: ...
+    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]: ...
 
-    def poll(self, finished_only: bool) -> list[RequestOutput]:
+    def poll(self, pending: set[str], finished_only: bool) -> list[RequestOutput]:
         """Progress since the last call (the in-process engine runs one step for it)."""
 
     def abort(self, request_id: str) -> None: ...
@@ -122,10 +122,10 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(params) != len(batch):
             raise ValueError(f"{len(params)} sampling_params for {len(batch)} prompts")
-        pending = set(self._engine.add_requests(batch, list(params)))
+        pending = set(self._engine.add_requests(batch, list(params), stream=not finished_only))
         with tqdm(total=len(pending), desc="generating", disable=not use_tqdm) as bar:
             while pending:
-                for o in self._engine.poll(finished_only):
+                for o in self._engine.poll(pending, finished_only):
                     if o.request_id in pending:
                         yield o
                         if o.finished:

@@ -94,8 +94,9 @@ class EngineCore:
         text = prompt if isinstance(prompt, str) else None
         return PreparedRequest(str(next(self._ids)), text, tuple(ids), params)
 
-    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]:
-        """Validate every prompt, then queue them all (none is queued if one is bad); their ids."""
+    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]:
+        """Validate every prompt, then queue them all (none is queued if one is bad); their ids. (``stream``
+        matters to a remote engine, which buffers outputs; ``poll`` here returns what the caller asks.)"""
         prepared = [self.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
         return [self.add(r) for r in prepared]
 
@@ -109,16 +110,19 @@ class EngineCore:
         self.scheduler.add(seq)
         return r.request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now; its memory is freed."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its memory is freed. Returns its final output (None if it was not here)."""
         request = self._requests.pop(request_id, None)
-        for seq in request.seqs if request else ():
+        if request is None:
+            return None
+        for seq in request.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "abort")
         if not self.scheduler.has_work:
             self.flush()
+        return self._output(request)
 
-    def poll(self, finished_only: bool) -> list[RequestOutput]:
+    def poll(self, pending: set[str], finished_only: bool) -> list[RequestOutput]:
         return self.step(finished_only)
 
     @property
@@ -126,9 +130,9 @@ class EngineCore:
         return self.scheduler.has_work
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, streamed: set[str] = frozenset()) -> list[RequestOutput]:
         """One scheduling step; returns the requests that made progress (finished ones removed), or with
-        ``finished_only`` just those that finished (no text is built for the others)."""
+        ``finished_only`` just those that finished and those in ``streamed`` (no text is built for the others)."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_work and not self.scheduler.running:
@@ -147,7 +151,7 @@ class EngineCore:
         for seq in updated:
             self._check_stop(seq)
         touched = {seq.request.request_id: seq.request for seq in updated}
-        outputs = [self._output(r) for r in touched.values() if r.finished or not finished_only]
+        outputs = [self._output(r) for r in touched.values() if r.finished or not finished_only or r.request_id in streamed]
         for o in outputs:
             if o.finished:
                 del self._requests[o.request_id]
@@ -226,7 +230,7 @@ class EngineCore:
         """After the worker group failed: fail every request in flight with ``error``, rebuild the group
         and a fresh ledger, and queue again the requests that had not started. Returns the failed outputs."""
         message = f"the worker group failed and was rebuilt; this request was in flight: {error}"
-        failed, kept = [], []
+        failed, kept = [], []  # started requests lost their K/V with the workers
         for r in self._requests.values():
             started = any(s.status is not SeqStatus.WAITING or s.num_computed or s.num_output_tokens for s in r.seqs)
             (failed if started else kept).append(r)
@@ -247,6 +251,17 @@ class EngineCore:
             seq = r.seqs[0]
             seq.slot, seq.status = None, SeqStatus.WAITING
             self.scheduler.add(seq)
+        return outputs
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """The engine cannot go on: end every request with ``message``."""
+        outputs = []
+        for r in self._requests.values():
+            for seq in r.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+            outputs.append(self._output(r, message))
+        self._requests.clear()
         return outputs
 
     # -- telemetry -----------------------------------------------------------------------------

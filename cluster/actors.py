@@ -1,0 +1,225 @@
+"""Ray actors: ``WorkerActor`` wraps one ``Worker`` (a TP rank of a PP stage); ``SchedulerActor`` runs the
+engine core's step loop over them and buffers outputs for its clients."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+
+from cluster.config import EngineConfig, model_config, plan
+from cluster.engine_core import EngineCore, Prompt
+from cluster.executor import WorkerGroupError
+from cluster.outputs import RequestOutput
+from cluster.telemetry import EngineSnapshot
+from kvmem.stats import SlotAccounting
+from worker.messages import StepInput, WorkerOutput
+from worker.sampling import SamplingParams
+from worker.tokenizer import load_tokenizer
+from worker.worker import Worker, WorkerConfig
+
+
+@ray.remote
+class WorkerActor:
+    """One shard on its own process (and GPU). Methods ``execute`` / ``report`` are the compiled graph's."""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.worker: Worker | None = None
+        self._distributed = False
+
+    def address(self) -> str:
+        """A TCP rendezvous on this actor's node for torch.distributed (rank 0 only)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def setup(self, init_method: str | None, rank: int, world: int, stage_ranks: list[list[int]]) -> None:
+        """Join the TP groups (every rank creates every stage's group, in the same order), then build the
+        shard: model, cache, mapper."""
+        cfg = self.config
+        if cfg.device == "cuda":
+            torch.cuda.set_device(0)  # Ray shows this actor its one GPU as device 0
+        group = None
+        if init_method is not None:
+            group = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank)
+            self._distributed = True
+        self.worker = Worker(cfg, tp_group=group)
+
+    def execute(self, step: StepInput, inputs: torch.Tensor | None = None):
+        """The step; a stage before the last returns its hidden states for the next one."""
+        out = self.worker.execute(step, inputs)
+        if self.worker.model.is_last:
+            return WorkerOutput(out.sampled, self.worker.report())
+        if out.hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
+            return torch.empty(0, self.worker.model.config.hidden_size, device=self.worker.device)
+        return out.hidden
+
+    def report(self, _hidden: torch.Tensor) -> WorkerOutput:
+        return WorkerOutput({}, self.worker.report())
+
+    def accounting(self) -> SlotAccounting:
+        return self.worker.cache.accounting()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if self._distributed:
+            _leave_groups()
+            self._distributed = False
+
+
+# Module-level on purpose: Ray pickles actor methods by value, and cloudpickle then takes along every
+# torch.distributed submodule whose name the method's code mentions (``self.config`` names
+# ``torch.distributed.config``, which does not pickle).
+def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_ranks: list[list[int]], stage: int):
+    backend = "nccl" if device == "cuda" else "gloo"
+    kwargs = {"device_id": torch.device("cuda", 0)} if device == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
+    groups = [dist.new_group(ranks) for ranks in stage_ranks]
+    return groups[stage]
+
+
+def _leave_groups() -> None:
+    dist.destroy_process_group()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine could not rebuild its worker group; it serves nothing more."""
+
+
+@ray.remote(num_cpus=0)
+class SchedulerActor:
+    """Owns the engine core (scheduler, page ledger, requests, telemetry) and runs its step loop on a
+    thread; clients add requests and wait for outputs through the methods below (a threaded actor)."""
+
+    def __init__(self, config: EngineConfig):
+        from cluster.ray_executor import RayExecutor
+
+        self._error: BaseException | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._core_lock = threading.Lock()
+        self._inbox: list[tuple[str, object]] = []
+        self._outputs: dict[str, list[RequestOutput]] = {}
+        self._streamed: set[str] = set()
+        try:
+            engine_plan = plan(config, model_config(config.model), config.device)
+            tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
+            self.core = EngineCore(engine_plan, RayExecutor(engine_plan), tokenizer)
+        except BaseException as exc:  # raised to the client by ready(), which then kills this actor
+            self._error = exc
+            return
+        self._thread = threading.Thread(target=self._loop, name="vattn-step-loop", daemon=True)
+        self._thread.start()
+
+    def ready(self) -> tuple[int, tuple[int, ...]]:
+        """(max_model_len, eos token ids) once the workers are up; the construction error otherwise."""
+        if self._error is not None:
+            raise self._error
+        return self.core.max_model_len, tuple(self.core.tokenizer.eos_token_ids)
+
+    # -- clients -------------------------------------------------------------------------------
+    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]:
+        """Validate all (a ``ValueError`` queues none), queue them for the loop; their ids."""
+        self._check_alive()
+        prepared = [self.core.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        with self._cond:
+            for r in prepared:
+                self._outputs[r.request_id] = []
+                if stream:
+                    self._streamed.add(r.request_id)
+                self._inbox.append(("add", r))
+            self._cond.notify_all()
+        return [r.request_id for r in prepared]
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify_all()
+
+    def wait_outputs(self, request_ids: list[str], timeout: float = 1.0) -> list[RequestOutput]:
+        """Outputs of ``request_ids`` since the last call, waiting up to ``timeout`` s for the first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not any(self._outputs.get(i) for i in request_ids):
+                if self._error is not None and isinstance(self._error, EngineDeadError):
+                    raise self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cond.wait(left)
+            out = []
+            for i in request_ids:
+                out += self._outputs.get(i, [])
+                if i in self._outputs:
+                    self._outputs[i] = []
+                    if out and out[-1].request_id == i and out[-1].finished:
+                        del self._outputs[i]
+                        self._streamed.discard(i)
+            return out
+
+    def snapshot(self) -> EngineSnapshot:
+        with self._core_lock:
+            return self.core.snapshot()
+
+    def worker_accounting(self) -> list[SlotAccounting]:
+        """Every worker's slot accounting, and the ledger's last (tests check they agree)."""
+        with self._core_lock:
+            return self.core.executor.accounting() + [self.core.ledger.accounting()]
+
+    def shutdown(self) -> None:
+        """Stop the loop and the workers; nothing is left in the cluster but this actor (kill it next)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._error is None or isinstance(self._error, EngineDeadError):
+            self._thread.join()
+            with self._core_lock:
+                self.core.close()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._inbox and not self.core.has_work:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                inbox, self._inbox = self._inbox, []
+            with self._core_lock:
+                outputs = self._step(inbox)
+            with self._cond:
+                for o in outputs:
+                    if o.request_id in self._outputs:
+                        self._outputs[o.request_id].append(o)
+                self._cond.notify_all()
+
+    def _step(self, inbox: list[tuple[str, object]]) -> list[RequestOutput]:
+        outputs = []
+        for kind, item in inbox:
+            if kind == "add":
+                self.core.add(item)
+            elif (final := self.core.abort(item)) is not None:
+                outputs.append(final)
+        if not self.core.has_work:
+            return outputs
+        try:
+            return outputs + self.core.step(finished_only=True, streamed=self._streamed)
+        except WorkerGroupError as exc:
+            try:
+                return outputs + self.core.recover(exc)
+            except BaseException as fatal:
+                self._error = EngineDeadError(f"the worker group failed ({exc}) and could not be rebuilt: {fatal}")
+                return outputs + self.core.fail_all(str(self._error))
+

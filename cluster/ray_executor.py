@@ -1,0 +1,138 @@
+"""RayExecutor: one worker actor per (pp stage, tp rank) in one placement group, stepped through a Ray
+compiled graph: the step message goes to every worker over shared-memory channels, each stage's hidden
+states go on to the next stage's ranks (NCCL on GPUs), and only reports and sampled tokens come back."""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+from ray.dag import InputNode, MultiOutputNode
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.actors import WorkerActor
+from cluster.config import EnginePlan
+from cluster.executor import StepResult, WorkerGroupError
+from kvmem.stats import SlotAccounting
+from worker.messages import StepInput
+
+# NVLink multicast (NVLS) breaks on the lent GPU machines; every process of the group keeps it off.
+CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+class PlacementError(RuntimeError):
+    """The worker group's placement group could not be placed in time."""
+
+
+class RayExecutor:
+    def __init__(self, plan: EnginePlan, step_timeout_s: float = 600.0):
+        self.plan = plan
+        self.step_timeout_s = step_timeout_s
+        self._pg = None
+        self._actors: list = []
+        self._dag = None
+        self._start()
+
+    # -- set-up --------------------------------------------------------------------------------
+    def _start(self) -> None:
+        try:
+            self._place()
+            self._spawn()
+            self._dag = self._compile()
+        except BaseException:
+            self.close()
+            raise
+
+    def _bundle(self) -> dict[str, float]:
+        return {"GPU": 1.0, "CPU": 1.0} if self.plan.device == "cuda" else {"CPU": 1.0}
+
+    def _place(self) -> None:
+        c = self.plan.config
+        n, bundle = len(self.plan.workers), self._bundle()
+        self._pg = placement_group([bundle] * n, strategy=c.placement_strategy, name=f"vattn-workers-{id(self):x}")
+        try:
+            ray.get(self._pg.ready(), timeout=c.placement_timeout_s)
+        except GetTimeoutError:
+            raise PlacementError(
+                f"{n} workers (tp={c.tensor_parallel_size} x pp={c.pipeline_parallel_size}) of {bundle} each, "
+                f"{c.placement_strategy}, could not be placed within {c.placement_timeout_s} s: the cluster has "
+                f"{ray.cluster_resources()}, of which {ray.available_resources()} are free"
+            ) from None
+
+    def _spawn(self) -> None:
+        gpu = self.plan.device == "cuda"
+        env = {"env_vars": CUDA_ENV} if gpu else {}
+        group = uuid.uuid4().hex[:8]
+        for i, config in enumerate(self.plan.workers):
+            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
+            self._actors.append(WorkerActor.options(
+                name=f"vattn-worker-{group}-pp{config.pp_rank}-tp{config.tp_rank}",
+                num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=strategy, runtime_env=env,
+                max_concurrency=2,  # the compiled graph's loop holds one thread; accounting() gets the other
+            ).remote(config))
+        tp, world = self.plan.config.tensor_parallel_size, len(self._actors)
+        init = ray.get(self._actors[0].address.remote()) if tp > 1 else None
+        stages = [list(range(p * tp, (p + 1) * tp)) for p in range(self.plan.config.pipeline_parallel_size)]
+        try:
+            ray.get([a.setup.remote(init, rank, world, stages) for rank, a in enumerate(self._actors)])
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause if exc.cause is not None else exc  # the worker's own error (bad model, no memory)
+
+    def _compile(self):
+        tp, pp = self.plan.config.tensor_parallel_size, self.plan.config.pipeline_parallel_size
+        outputs = []
+        with InputNode() as step:
+            hidden = None
+            for p in range(pp):
+                stage = self._actors[p * tp : (p + 1) * tp]
+                nodes = [a.execute.bind(step) if hidden is None else a.execute.bind(step, hidden) for a in stage]
+                if p == pp - 1:
+                    outputs += nodes
+                    break
+                if self.plan.device == "cuda":
+                    nodes[0] = nodes[0].with_tensor_transport("accelerator")
+                outputs += [a.report.bind(node) for a, node in zip(stage, nodes)]
+                hidden = nodes[0]  # TP ranks of a stage end equal (all-reduced): rank 0's goes on
+            dag = MultiOutputNode(outputs)
+        return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def execute(self, step: StepInput) -> StepResult:
+        try:
+            outs = ray.get(self._dag.execute(step), timeout=self.step_timeout_s)
+        except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
+            raise WorkerGroupError(f"step {step.step} failed: {type(exc).__name__}: {exc}") from exc
+        sampler = len(outs) - self.plan.config.tensor_parallel_size  # the last stage's TP rank 0
+        return StepResult(outs[sampler].sampled, tuple(o.report for o in outs))
+
+    def accounting(self) -> list[SlotAccounting]:
+        """Every worker's slot accounting (the workers' threads answer between steps)."""
+        return ray.get([a.accounting.remote() for a in self._actors])
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def rebuild(self) -> None:
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        """Tear the graph down, close every worker (caches unmapped, groups destroyed), kill the actors,
+        remove the placement group. Safe on a half-built or broken group."""
+        if self._dag is not None:
+            try:
+                self._dag.teardown()
+            except Exception:
+                pass  # a dead actor's channels are gone already
+            self._dag = None
+        if self._actors:
+            try:
+                ray.get([a.close.remote() for a in self._actors], timeout=30)
+            except Exception:
+                pass  # dead or stuck: killing it below releases its memory with its process
+            for a in self._actors:
+                ray.kill(a)
+            self._actors = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
