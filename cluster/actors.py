@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from cluster.config import EngineConfig, model_config, plan
 from cluster.engine_core import EngineCore, Prompt
-from cluster.executor import WorkerGroupError
+from cluster.errors import EngineDeadError, WorkerGroupError
 from cluster.outputs import RequestOutput
 from cluster.telemetry import EngineSnapshot
 from kvmem.stats import SlotAccounting
@@ -88,10 +88,6 @@ def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_r
 
 def _leave_groups() -> None:
     dist.destroy_process_group()
-
-
-class EngineDeadError(RuntimeError):
-    """The engine could not rebuild its worker group; it serves nothing more."""
 
 
 @ray.remote(num_cpus=0)

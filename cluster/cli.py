@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 
-from cluster.config import DTYPES
+from cluster.config import DTYPES, STRATEGIES
+from cluster.errors import PlacementError
 from cluster.engine import LLM
 from kvmem.spec import LAYOUTS
 from worker.attention import BACKENDS
@@ -46,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-num-seqs", type=int, default=64)
     gen.add_argument("--max-model-len", type=int)
     gen.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per stage (Ray)")
+    gen.add_argument("--pp", type=int, default=1, help="pipeline stages (Ray)")
+    gen.add_argument("--distributed", choices=["local", "ray"],
+                     help="default: ray when --tp or --pp > 1 (joins RAY_ADDRESS, else starts a local Ray)")
+    gen.add_argument("--placement-strategy", choices=STRATEGIES, default="STRICT_PACK")
     gen.add_argument("--device")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     return parser
@@ -61,9 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(
             args.model, kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory,
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-            progress=True,
+            progress=True, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+            distributed=args.distributed or ("ray" if args.tp * args.pp > 1 else "local"),
+            placement_strategy=args.placement_strategy,
         )
-    except (ValueError, FileNotFoundError, ImportError) as exc:  # ImportError: an attention backend's package
+    except (ValueError, FileNotFoundError, ImportError, PlacementError) as exc:  # ImportError: an attention backend's package
         print(f"vattn: error: {exc}", file=sys.stderr)
         return 2
     with llm:

@@ -20,11 +20,6 @@ class StepResult:
     reports: tuple[WorkerReport, ...]  # one per worker, pp-major
 
 
-class WorkerGroupError(RuntimeError):
-    """The worker group failed (an actor died, or a worker raised): the step's effects are unknown and
-    the group must be rebuilt before the next step."""
-
-
 class Executor(Protocol):
     def execute(self, step: StepInput) -> StepResult: ...
 

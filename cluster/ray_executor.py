@@ -14,16 +14,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import WorkerActor
 from cluster.config import EnginePlan
-from cluster.executor import StepResult, WorkerGroupError
+from cluster.errors import PlacementError, WorkerGroupError
+from cluster.executor import StepResult
 from kvmem.stats import SlotAccounting
 from worker.messages import StepInput
 
 # NVLink multicast (NVLS) breaks on the lent GPU machines; every process of the group keeps it off.
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-
-
-class PlacementError(RuntimeError):
-    """The worker group's placement group could not be placed in time."""
 
 
 class RayExecutor:

@@ -28,10 +28,20 @@ def _config(kind: str):
 @pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2"])
 def hf_model(request, tmp_path_factory):
     """(checkpoint dir, prompts, HF greedy continuations) for a tiny random model."""
+    return write_hf_model(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory):
+    """``hf_model`` for Llama alone."""
+    return write_hf_model("llama", tmp_path_factory)
+
+
+def write_hf_model(kind: str, tmp_path_factory):
     torch.manual_seed(0)
-    config, cls = _config(request.param)
+    config, cls = _config(kind)
     model = cls(config).eval()
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(kind)
     model.save_pretrained(path, max_shard_size="100KB")  # several shards and an index file
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]

@@ -29,3 +29,12 @@ def test_missing_attention_package_is_a_clear_error_before_loading(capsys):
     # No CUDA is touched before the backend's import fails, so this runs on a CPU machine too.
     assert main(["generate", "--prompt", "x", "--attention", "flash_attn", "--device", "cuda"]) == 2
     assert "attention backend 'flash_attn' needs the flash-attn package" in capsys.readouterr().err
+
+
+def test_generate_on_ray_with_tp_and_pp_prints_the_in_process_tokens(capsys):
+    args = ["generate", "--prompt", "Hello", "--max-tokens", "6", "--kv-memory", "32MiB", "--device", "cpu", "--json",
+            "--ignore-eos"]
+    assert main(args) == 0
+    local = capsys.readouterr().out
+    assert main([*args, "--tp", "2", "--pp", "2"]) == 0  # starts a local Ray, stops it after
+    assert json.loads(capsys.readouterr().out) == json.loads(local)

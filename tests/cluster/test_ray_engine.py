@@ -1,0 +1,183 @@
+"""The Ray engine on CPU, real Ray: a scheduler actor over TP / PP worker actors gives the tokens of the
+in-process engine (and of transformers), keeps every worker's page accounting equal to its ledger, survives
+a killed worker, refuses impossible shapes before anything starts, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from cluster.config import EngineConfig, model_config, plan  # noqa: E402
+from cluster.engine import LLM  # noqa: E402
+from tests.cluster.conftest import NEW_TOKENS  # noqa: E402
+from worker.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+SHAPES = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
+SMALL = dict(device="cpu", max_num_seqs=8, max_model_len=128, page_size=4096, block_size=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def vattn_actors() -> list[str]:
+    return [n for n in ray.util.list_named_actors() if n.startswith("vattn-")]
+
+
+def live_placement_groups() -> list[str]:
+    return [pg["name"] for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+
+
+def assert_in_step(llm: LLM) -> None:
+    """Every worker's slots, tokens, page counts and free pages equal the scheduler ledger's."""
+    *workers, ledger = llm._engine.worker_accounting()
+    assert all(w == ledger for w in workers)
+
+
+def demand(path: str, layout: str, tp: int, pp: int, prompts) -> int:
+    """Bytes one worker needs to hold every prompt and its output at once."""
+    config = EngineConfig(path, kv_layout=layout, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                          distributed="ray", **SMALL)
+    spec = plan(config, model_config(path), "cpu").ledger_spec
+    return sum(spec.physical_bytes_for(len(p) + NEW_TOKENS) for p in prompts)
+
+
+@pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])
+@pytest.mark.parametrize(("tp", "pp"), SHAPES)
+def test_chunked_and_oversubscribed_tp_pp_match_transformers(hf_llama, tp, pp, layout):
+    path, prompts, expected = hf_llama
+    kv = demand(path, layout, tp, pp, prompts) // 4  # 4x oversubscribed: preemption by recompute
+    with LLM(path, distributed="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_layout=layout,
+             kv_memory=kv, max_num_batched_tokens=7, dtype="float32", **SMALL) as llm:
+        outputs = llm.generate(prompts, GREEDY)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        snap = llm.snapshot()
+        assert snap.num_preemptions > 0
+        assert [(w.pp_rank, w.tp_rank) for w in snap.workers] == [(p, t) for p in range(pp) for t in range(tp)]
+        assert all(w.slots_in_use == 0 and w.used_bytes == 0 for w in snap.workers)
+        assert_in_step(llm)
+
+
+@pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])
+def test_preemption_by_swap_across_tp_and_pp(hf_llama, layout):
+    path, prompts, expected = hf_llama
+    kv = demand(path, layout, 2, 2, prompts) // 4
+    with LLM(path, distributed="ray", tensor_parallel_size=2, pipeline_parallel_size=2, kv_layout=layout,
+             kv_memory=kv, preemption_mode="swap", dtype="float32", **SMALL) as llm:
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)] == expected
+        snap = llm.snapshot()
+        assert snap.num_preemptions > 0 and all(w.swap_bytes == 0 for w in snap.workers)
+        assert_in_step(llm)
+
+
+def test_parallel_and_seeded_sampling_equal_the_in_process_engine():
+    prompts = ["hello there", "a b c d e f", "xyz" * 9]
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=s, n=n, ignore_eos=True,
+                             logprobs=2) for s, n in ((1, 3), (2, 1), (3, 2))]
+    kw = dict(kv_memory=16 << 20, **{**SMALL, "max_model_len": 256})
+    with LLM("tiny", **kw) as local:
+        want = local.generate(prompts, params)
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, pipeline_parallel_size=2, **kw) as llm:
+        got = llm.generate(prompts, params)
+        streamed = [o for o in llm.stream(prompts[0], params[0])]
+    for w, g in zip(want, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        for cw, cg in zip(w.outputs, g.outputs):
+            assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(cw.logprobs, cg.logprobs))
+    assert streamed[-1].finished and [c.token_ids for c in streamed[-1].outputs] == [c.token_ids for c in want[0].outputs]
+    assert len(streamed) > 1  # it streamed
+
+
+def test_two_hundred_requests_with_aborts_leave_every_worker_at_zero():
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 90))] for _ in range(200)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 24), temperature=0, ignore_eos=True) for _ in prompts]
+    # 12 slots, and pages for ~3 of the longest requests: admission waits, decode preempts.
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, pipeline_parallel_size=2, kv_memory=96 << 10,
+             max_num_seqs=12, max_num_batched_tokens=64, device="cpu", max_model_len=128, page_size=4096) as llm:
+        finished, aborted = {}, set()
+        for o in llm.stream(prompts, params):
+            if o.finished:
+                finished[o.request_id] = o
+            elif int(o.request_id) % 7 == 0 and o.request_id not in aborted:
+                llm.abort(o.request_id)  # mid-flight, with pages in use
+                aborted.add(o.request_id)
+        cut = {r for r, o in finished.items() if o.outputs[0].finish_reason == "abort"}
+        assert len(finished) == 200 and cut <= aborted and len(cut) > 5  # an abort may arrive after the last token
+        assert all(len(o.outputs[0].token_ids) == params[int(r)].max_tokens for r, o in finished.items() if r not in cut)
+        snap = llm.snapshot()
+        assert snap.num_preemptions > 0 and not snap.requests
+        assert all(w.slots_in_use == 0 for w in snap.workers)
+        assert_in_step(llm)
+
+
+def test_a_killed_worker_fails_requests_in_flight_and_the_group_is_rebuilt():
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, max_num_seqs=2, kv_memory=8 << 20, device="cpu",
+             max_model_len=512, page_size=4096) as llm:
+        want = llm.generate(["c", "d"], short)
+        ids = [llm.add_request(p, long) for p in ("running a", "running b")]
+        ids += [llm.add_request(p, short) for p in ("c", "d")]  # waiting: both slots are taken
+        pending, outputs = set(ids), {}
+        while llm.snapshot().num_steps < 20:
+            time.sleep(0.05)
+        old = vattn_actors()
+        ray.kill(ray.get_actor(next(n for n in old if n.endswith("-pp0-tp1"))))
+        while pending:
+            for o in llm._engine.poll(pending, True):
+                if o.finished:
+                    outputs[o.request_id] = o
+                    pending.discard(o.request_id)
+        for i in ids[:2]:
+            assert outputs[i].outputs[0].finish_reason == "error"
+            assert "the worker group failed and was rebuilt" in outputs[i].error and "ActorDiedError" in outputs[i].error
+        assert [outputs[i].outputs[0].token_ids for i in ids[2:]] == [w.outputs[0].token_ids for w in want]
+        assert llm.generate("after", short)[0].outputs[0].finish_reason == "length"
+        assert llm.snapshot().num_rebuilds == 1
+        assert not set(vattn_actors()) & set(old)  # the whole group was replaced
+        assert len(live_placement_groups()) == 1
+    assert vattn_actors() == [] and live_placement_groups() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide the model's num_heads=4"),
+        (dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 is larger than the model's 2 layers"),
+        (dict(tensor_parallel_size=2, device="cuda"), "tp=2 x pp=1 needs 2 GPUs; the Ray cluster has 0"),
+        (dict(tensor_parallel_size=8, pipeline_parallel_size=2, model="llama-3-8b"),  # no weights load: refused first
+         "16 CPU workers need 16 CPUs of the Ray cluster; it has 8"),
+    ],
+)
+def test_impossible_shapes_are_refused_before_anything_starts(kwargs, message):
+    kwargs = {"model": "tiny", "device": "cpu", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        LLM(kwargs.pop("model"), distributed="ray", **kwargs)
+    assert vattn_actors() == [] and live_placement_groups() == []
+
+
+def test_a_placement_group_that_cannot_be_placed_times_out_naming_the_numbers():
+    from cluster.errors import PlacementError
+
+    hog = ray.util.placement_group([{"CPU": 7}])  # leaves 1 of the 8 CPUs
+    ray.get(hog.ready())
+    try:
+        start = time.monotonic()
+        with pytest.raises(PlacementError, match=r"2 workers \(tp=2 x pp=1\) of \{'CPU': 1.0\} each, STRICT_PACK, "
+                                                 r"could not be placed within 2.0 s"):
+            LLM("tiny", distributed="ray", tensor_parallel_size=2, device="cpu", placement_timeout_s=2.0)
+        assert time.monotonic() - start < 30
+        assert vattn_actors() == [] and len(live_placement_groups()) == 1  # the hog alone
+    finally:
+        ray.util.remove_placement_group(hog)
