@@ -18,7 +18,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def environment() -> dict:
     """Device, date, versions and command line of this run."""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("cuda-bindings", "vattn"):
+    for dist in ("cuda-bindings", "ray", "vattn"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

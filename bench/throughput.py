@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import statistics
 import time
+import traceback
 from pathlib import Path
 
 import matplotlib
@@ -27,7 +29,7 @@ import torch  # noqa: E402
 import report  # noqa: E402
 from cluster.engine import LLM  # noqa: E402
 from worker.config import PRESETS, ModelConfig  # noqa: E402
-from worker.loader import empty_model, load_state_dict, random_model  # noqa: E402
+from worker.loader import empty_model, load_state_dict  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 
 GiB = 1 << 30
@@ -104,38 +106,36 @@ def hf_peer(config: ModelConfig, prompts, output: int):
 
 
 def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
-    """``run`` is a KV layout, or ``layout:attention`` for another backend than the layout's default."""
-    layout, _, attention = run.partition(":")
+    """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
+    ``...@ray`` for the Ray engine (a scheduler actor over one worker actor; ``model`` a preset name)."""
+    spec, _, where = run.partition("@")
+    layout, _, attention = spec.partition(":")
     max_len = max(map(len, prompts)) + output
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
-    with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts), max_model_len=max_len,
-             max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16") as llm:
+    with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
+             max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
+             distributed=where or "local") as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
-        # allocator growth and kernel selection for these shapes stay out of the timing.
+        # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
+        # mapped (deferred reclamation), in both engines alike.
         llm.generate([p[:512] for p in prompts], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        llm.cache.reclaim(10**12)
-        for prompt in prompts:
-            llm.add_request(prompt, params)
-        decode_steps, peak, steps, preempted = [], 0, 0, 0
+        before = llm.snapshot()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        while llm.scheduler.has_work:
-            t = time.perf_counter()
-            llm.step(finished_only=True)  # as generate() runs it
-            dt = time.perf_counter() - t
-            steps += 1
-            info = llm.last_step
-            preempted += info.num_preempted
-            if info.num_prefill_tokens == 0:
-                decode_steps.append(dt)
-            peak = max(peak, llm.cache.mapped_bytes())
+        llm.generate(prompts, params)
         wall = time.perf_counter() - start
-        stats = llm.cache.stats()
+        after = llm.snapshot()
+    (worker,) = after.workers
+    decode_steps = after.num_decode_steps - before.num_decode_steps
+    decode_s = after.decode_step_seconds - before.decode_step_seconds
     return {
-        "wall_s": wall, "steps": steps, "decode_steps": len(decode_steps),
-        "mean_decode_step_ms": 1e3 * sum(decode_steps) / max(1, len(decode_steps)),
-        "peak_kv_bytes": peak, "kv_pool_bytes": stats.pool_bytes, "preemptions": preempted,
-        "map_latency_p50_us": stats.map_latency_p50_us, "stall_s": stats.stall_seconds,
+        "wall_s": wall, "steps": after.num_steps - before.num_steps, "decode_steps": decode_steps,
+        "mean_decode_step_ms": 1e3 * decode_s / max(1, decode_steps),
+        "mean_step_ms": 1e3 * (after.step_seconds - before.step_seconds) / max(1, after.num_steps - before.num_steps),
+        "peak_kv_bytes": worker.peak_mapped_bytes, "kv_pool_bytes": worker.pool_bytes,
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "map_latency_p50_us": statistics.median(worker.map_latency_us) if worker.map_latency_us else 0.0,
+        "stall_s": worker.stall_seconds - before.workers[0].stall_seconds,
     }
 
 
@@ -162,7 +162,8 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=2048)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--layouts", nargs="+", default=["mega", "per_layer", "paged"],
-                        help="KV layouts, each optionally as layout:attention (e.g. mega:flash_attn)")
+                        help="KV layouts, each optionally as layout:attention (e.g. mega:flash_attn), and with @ray "
+                             "for the Ray engine (needs --no-hf: its worker builds the preset's weights itself)")
     parser.add_argument("--kv-memory-gib", type=float, default=40)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
@@ -180,8 +181,10 @@ def main() -> None:
     floor = floor_seconds(config, prompts, args.output, ceil)
     results: dict = {"workload": {"requests": args.requests, "prompt_tokens": in_tokens, "output_tokens": args.requests * args.output,
                                   "seed": args.seed}, "ceilings": ceil, "floor": floor, "runs": {}}
+    if any("@ray" in run for run in args.layouts) and not args.no_hf:
+        parser.error("@ray runs build the preset's random weights in their worker: add --no-hf")
     if args.no_hf:
-        model = random_model(config, torch.bfloat16, "cuda", seed=args.seed)
+        model = args.model  # every run builds the preset's weights, identical for a given seed (0)
     else:
         results["runs"]["HF paged|sdpa"], state = hf_peer(config, prompts, args.output)
         model = empty_model(config, torch.bfloat16, "cuda")
@@ -194,6 +197,7 @@ def main() -> None:
             results["runs"][layout] = run_engine(model, layout, prompts, args.output, int(args.kv_memory_gib * GiB),
                                                  args.max_num_batched_tokens)
         except Exception as exc:  # keep the other layouts' numbers; the failure is reported, not hidden
+            traceback.print_exc()
             results.setdefault("failed", {})[layout] = repr(exc)
             print(f"{layout}: FAILED {exc!r}")
         gc.collect()
@@ -210,6 +214,14 @@ def main() -> None:
     print(f"{args.requests} requests, {in_tokens} prompt tokens, {args.output} output tokens each; "
           f"floor {floor['total_s']:.2f} s (prefill {floor['prefill_s']:.2f} + decode {floor['decode_s']:.2f}); "
           f"matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s, copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    runs = results["runs"]
+    results["ray_vs_local"] = {
+        name: {"wall": runs[name]["wall_s"] / runs[local]["wall_s"],
+               "decode_step": runs[name]["mean_decode_step_ms"] / runs[local]["mean_decode_step_ms"]}
+        for name in runs if name.endswith("@ray") and (local := name.removesuffix("@ray")) in runs
+    }
+    for name, r in results["ray_vs_local"].items():
+        print(f"{name} / {name.removesuffix('@ray')}: wall {r['wall']:.3f}x, decode step {r['decode_step']:.3f}x")
     report.write(stem, headers, rows, results, args.out)
     plot(rows, floor["total_s"], args.out / f"{stem}.png")
 

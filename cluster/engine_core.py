@@ -8,6 +8,7 @@ the caller's process (``LLM``) and inside the Ray scheduler actor.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,7 @@ class EngineCore:
     def step(self, finished_only: bool = False, streamed: set[str] = frozenset()) -> list[RequestOutput]:
         """One scheduling step; returns the requests that made progress (finished ones removed), or with
         ``finished_only`` just those that finished and those in ``streamed`` (no text is built for the others)."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_work and not self.scheduler.running:
@@ -155,6 +157,7 @@ class EngineCore:
         for o in outputs:
             if o.finished:
                 del self._requests[o.request_id]
+        self.telemetry.record_step(self.last_step.num_prefill_tokens, time.perf_counter() - start)
         if not self.scheduler.has_work:
             self.flush()
         return outputs
@@ -276,8 +279,10 @@ class EngineCore:
                                             sum(s.num_preemptions for s in r.seqs)))
         s = self.scheduler
         swapped = sum(seq.status is SeqStatus.SWAPPED for seq in s.waiting)
-        return EngineSnapshot(self.telemetry.workers(self.ledger), tuple(requests), len(s.running),
-                              len(s.waiting) - swapped, swapped, s.num_preemptions, self.num_steps, self.num_rebuilds)
+        t = self.telemetry
+        return EngineSnapshot(t.workers(self.ledger), tuple(requests), len(s.running), len(s.waiting) - swapped, swapped,
+                              s.num_preemptions, self.num_steps, self.num_rebuilds, t.step_seconds, t.num_decode_steps,
+                              t.decode_step_seconds)
 
     def close(self) -> None:
         self.executor.close()

@@ -21,6 +21,7 @@ class WorkerMemory:
     reserved_bytes: int  # virtual address space (paged: the block pool)
     pool_bytes: int  # physical pages that exist
     mapped_bytes: int
+    peak_mapped_bytes: int
     used_bytes: int
     free_pages: int
     total_pages: int
@@ -59,6 +60,9 @@ class EngineSnapshot:
     num_preemptions: int
     num_steps: int
     num_rebuilds: int
+    step_seconds: float  # summed over all steps, scheduling and the workers' round trip included
+    num_decode_steps: int  # steps without prefill tokens
+    decode_step_seconds: float
 
 
 class Telemetry:
@@ -68,12 +72,23 @@ class Telemetry:
         self.plan = plan
         self.reports: dict[tuple[int, int], WorkerReport] = {}
         self.latency = {(w.pp_rank, w.tp_rank): deque(maxlen=window) for w in plan.workers}
+        self.peak_mapped = {(w.pp_rank, w.tp_rank): 0 for w in plan.workers}
+        self.step_seconds = 0.0
+        self.num_decode_steps = 0
+        self.decode_step_seconds = 0.0
+
+    def record_step(self, prefill_tokens: int, seconds: float) -> None:
+        self.step_seconds += seconds
+        if prefill_tokens == 0:
+            self.num_decode_steps += 1
+            self.decode_step_seconds += seconds
 
     def record(self, reports: tuple[WorkerReport, ...]) -> None:
         for r in reports:
             key = (r.pp_rank, r.tp_rank)
             self.reports[key] = r
             self.latency[key].extend(r.map_latency_us)
+            self.peak_mapped[key] = max(self.peak_mapped[key], r.mapped_bytes)
 
     def reset(self) -> None:
         """A rebuilt worker group starts from zero."""
@@ -91,7 +106,7 @@ class Telemetry:
             reserved = w.pool_bytes if w.kv_spec.layout == "paged" else w.kv_spec.reserved_bytes
             out.append(WorkerMemory(
                 w.pp_rank, w.tp_rank, reserved, w.pool_bytes,
-                r.mapped_bytes if r else 0, used, r.free_pages if r else self.plan.num_pages, self.plan.num_pages,
+                r.mapped_bytes if r else 0, self.peak_mapped[key], used, r.free_pages if r else self.plan.num_pages, self.plan.num_pages,
                 r.slots_in_use if r else 0, r.maps if r else 0, r.unmaps if r else 0, r.stall_seconds if r else 0.0,
                 r.swap_bytes if r else 0, tuple(self.latency[key]),
             ))
