@@ -1,9 +1,10 @@
 """Control path: one step's round trip from the scheduler to N worker actors and back, with plain Ray actor
 calls against a Ray compiled graph, carrying the engine's real messages: a decode ``StepInput`` of B
 sequences out, a ``WorkerOutput`` (the sampler's tokens, every worker's report) back. The workers do no
-model work, so this is the transport alone.
+model work (``--work-ms`` makes them sleep as long as a step would run), so the round trip minus that work
+is the transport alone.
 
-    python bench/control_path.py [--workers 1 2 4] [--batch 1 64 256] [--iters 300]
+    python bench/control_path.py [--workers 1 2 4] [--batch 1 64 256] [--work-ms 0 25] [--iters 300]
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from worker.sampling import SampledToken  # noqa: E402
 class EchoWorker:
     """Answers a step as a worker would, without running a model."""
 
-    def __init__(self, samples: bool):
-        self.samples = samples
-        self.report = WorkerReport(0, 0, 64, 1 << 30, 100, 5000, 10, 0.01, 0, (30.0,))
+    def __init__(self, samples: bool, work_s: float):
+        self.samples, self.work_s = samples, work_s
+        self.report = WorkerReport(0, 0, 64, 1 << 30, 100, 5000, 10, 0.01, 1.0, 0, (30.0,))
 
     def step(self, msg: StepInput) -> WorkerOutput:
+        if self.work_s:
+            time.sleep(self.work_s)
         sampled = {i: (SampledToken(7),) for i in msg.seq_ids} if self.samples else {}
         return WorkerOutput(sampled, self.report)
 
@@ -59,8 +62,8 @@ def timed(fn, iters: int) -> list[float]:
     return out
 
 
-def measure(workers: int, batch: int, iters: int) -> dict:
-    actors = [EchoWorker.remote(i == workers - 1) for i in range(workers)]
+def measure(workers: int, batch: int, work_ms: float, iters: int) -> dict:
+    actors = [EchoWorker.remote(i == workers - 1, work_ms / 1e3) for i in range(workers)]
     msgs = [decode_step(batch, i) for i in range(8)]
     plain = timed(lambda i: ray.get([a.step.remote(msgs[i % 8]) for a in actors]), iters)
     with InputNode() as inp:
@@ -70,11 +73,13 @@ def measure(workers: int, batch: int, iters: int) -> dict:
     graph.teardown()
     for a in actors:
         ray.kill(a)
-    return {"workers": workers, "batch": batch, "message_bytes": len(pickle.dumps(msgs[0])),
-            "plain_ms": plain, "compiled_ms": compiled}
+    # What is left of a round trip once the workers' own time is taken off.
+    return {"workers": workers, "batch": batch, "work_ms": work_ms, "message_bytes": len(pickle.dumps(msgs[0])),
+            "plain_ms": [t - work_ms for t in plain], "compiled_ms": [t - work_ms for t in compiled]}
 
 
 def plot(results: list[dict], path: Path) -> None:
+    results = [r for r in results if r["work_ms"] == 0]
     batches = sorted({r["batch"] for r in results})
     fig, axes = plt.subplots(1, len(batches), figsize=(3.2 * len(batches), 3), sharey=True)
     for ax, batch in zip(axes if len(batches) > 1 else [axes], batches):
@@ -94,20 +99,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--work-ms", type=float, nargs="+", default=[0.0])
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     parser.add_argument("--name", default="control_path_cpu")
     args = parser.parse_args()
     ray.init(num_cpus=max(args.workers) + 1, include_dashboard=False, log_to_driver=False)
-    results = [measure(w, b, args.iters) for b in args.batch for w in args.workers]
+    results = [measure(w, b, ms, args.iters if not ms else max(40, args.iters // 5))
+               for ms in args.work_ms for b in args.batch for w in args.workers]
     ray.shutdown()
     rows = []
     for r in results:
         p50p, p50c = statistics.median(r["plain_ms"]), statistics.median(r["compiled_ms"])
         p90 = lambda xs: statistics.quantiles(xs, n=10)[-1]  # noqa: E731
-        rows.append([r["workers"], r["batch"], r["message_bytes"], p50p, p90(r["plain_ms"]), p50c, p90(r["compiled_ms"]),
+        rows.append([r["workers"], r["batch"], r["work_ms"], r["message_bytes"], p50p, p90(r["plain_ms"]), p50c, p90(r["compiled_ms"]),
                      p50p / p50c])
-    headers = ["workers", "decode batch", "message bytes", "plain p50 ms", "plain p90 ms", "compiled p50 ms",
+    headers = ["workers", "decode batch", "worker ms (taken off)", "message bytes", "plain p50 ms", "plain p90 ms", "compiled p50 ms",
                "compiled p90 ms", "plain / compiled"]
     report.write(args.name, headers, rows, {"runs": results}, args.out)
     plot(results, args.out / f"{args.name}.png")

@@ -136,6 +136,8 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         "preemptions": after.num_preemptions - before.num_preemptions,
         "map_latency_p50_us": statistics.median(worker.map_latency_us) if worker.map_latency_us else 0.0,
         "stall_s": worker.stall_seconds - before.workers[0].stall_seconds,
+        "worker_busy_s": worker.busy_seconds - before.workers[0].busy_seconds,
+        "engine_step_s": after.step_seconds - before.step_seconds,
     }
 
 
@@ -222,6 +224,9 @@ def main() -> None:
     }
     for name, r in results["ray_vs_local"].items():
         print(f"{name} / {name.removesuffix('@ray')}: wall {r['wall']:.3f}x, decode step {r['decode_step']:.3f}x")
+    for name, r in runs.items():
+        if "worker_busy_s" in r:
+            print(f"{name}: steps {r['engine_step_s']:.3f} s, of which the worker executed {r['worker_busy_s']:.3f} s")
     report.write(stem, headers, rows, results, args.out)
     plot(rows, floor["total_s"], args.out / f"{stem}.png")
 

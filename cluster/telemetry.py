@@ -29,6 +29,7 @@ class WorkerMemory:
     maps: int
     unmaps: int
     stall_seconds: float
+    busy_seconds: float  # time the worker spent executing steps
     swap_bytes: int
     map_latency_us: tuple[float, ...]  # recent samples
 
@@ -108,6 +109,6 @@ class Telemetry:
                 w.pp_rank, w.tp_rank, reserved, w.pool_bytes,
                 r.mapped_bytes if r else 0, self.peak_mapped[key], used, r.free_pages if r else self.plan.num_pages, self.plan.num_pages,
                 r.slots_in_use if r else 0, r.maps if r else 0, r.unmaps if r else 0, r.stall_seconds if r else 0.0,
-                r.swap_bytes if r else 0, tuple(self.latency[key]),
+                r.busy_seconds if r else 0.0, r.swap_bytes if r else 0, tuple(self.latency[key]),
             ))
         return tuple(out)

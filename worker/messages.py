@@ -54,6 +54,7 @@ class WorkerReport:
     maps: int  # cumulative
     unmaps: int
     stall_seconds: float
+    busy_seconds: float  # cumulative time inside step execution (KV ops, the step, waiting for the mapper)
     swap_bytes: int
     map_latency_us: tuple[float, ...]  # samples since the previous report
 

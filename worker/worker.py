@@ -7,6 +7,7 @@ inside a Ray actor.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,7 @@ class Worker:
             raise
         self._seqs: dict[int, NewSeq] = {}
         self._reported_maps = 0
+        self._busy = 0.0
 
     def _make_cache(self):
         c = self.config
@@ -72,6 +74,13 @@ class Worker:
 
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None) -> StepOutput:
         """Apply the step's KV operations, map ahead while the step runs, run it."""
+        start = time.perf_counter()
+        try:
+            return self._execute(step, inputs)
+        finally:
+            self._busy += time.perf_counter() - start
+
+    def _execute(self, step: StepInput, inputs: torch.Tensor | None) -> StepOutput:
         for seq in step.new_seqs:
             self._seqs[seq.seq_id] = seq
         for seq_id in step.finished_seqs:
@@ -102,7 +111,8 @@ class Worker:
         latencies = self.cache.recent_map_latency_us(maps - self._reported_maps)
         self._reported_maps = maps
         return WorkerReport(self.config.pp_rank, self.config.tp_rank, self.cache.slots_in_use(), self.cache.mapped_bytes(),
-                            self.cache.free_pages(), maps, unmaps, stall, self.swap.used_bytes if self.swap else 0, latencies)
+                            self.cache.free_pages(), maps, unmaps, stall, self._busy, self.swap.used_bytes if self.swap else 0,
+                            latencies)
 
     def close(self) -> None:
         """Stop the mapper and give every byte of KV memory back."""

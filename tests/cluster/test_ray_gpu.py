@@ -5,7 +5,6 @@ engine on the same preset weights (bf16: the first token of every prompt must ma
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.conftest import cuda_missing
 from worker.sampling import SamplingParams
@@ -48,4 +47,4 @@ def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, want, tp, pp, lay
     assert same >= 0.8 * sum(map(len, want)), f"only {same} of {sum(map(len, want))} tokens agree"
     graphs = tp * pp == 1 and layout != "paged"
     assert all(w.slots_in_use == (1 if graphs else 0) for w in snap.workers)  # the graphs' scratch slot only
-    assert all(w.mapped_bytes > 0 for w in snap.workers) and torch.cuda.is_available()
+    assert all(w.peak_mapped_bytes > 0 and w.busy_seconds > 0 for w in snap.workers)
