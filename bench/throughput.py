@@ -107,14 +107,17 @@ def hf_peer(config: ModelConfig, prompts, output: int):
 
 def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
     """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
-    ``...@ray`` for the Ray engine (a scheduler actor over one worker actor; ``model`` a preset name)."""
+    ``...@ray`` for the Ray engine (a scheduler actor over worker actors; ``model`` a preset name), with
+    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``)."""
     spec, _, where = run.partition("@")
     layout, _, attention = spec.partition(":")
+    where, *dims = where.split("/")
+    shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims}
     max_len = max(map(len, prompts)) + output
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
              max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
-             distributed=where or "local") as llm:
+             distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"]) as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
         # mapped (deferred reclamation), in both engines alike.
@@ -125,14 +128,15 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         llm.generate(prompts, params)
         wall = time.perf_counter() - start
         after = llm.snapshot()
-    (worker,) = after.workers
+    worker = after.workers[0]
     decode_steps = after.num_decode_steps - before.num_decode_steps
     decode_s = after.decode_step_seconds - before.decode_step_seconds
     return {
         "wall_s": wall, "steps": after.num_steps - before.num_steps, "decode_steps": decode_steps,
         "mean_decode_step_ms": 1e3 * decode_s / max(1, decode_steps),
         "mean_step_ms": 1e3 * (after.step_seconds - before.step_seconds) / max(1, after.num_steps - before.num_steps),
-        "peak_kv_bytes": worker.peak_mapped_bytes, "kv_pool_bytes": worker.pool_bytes,
+        "peak_kv_bytes": worker.peak_mapped_bytes, "kv_pool_bytes": worker.pool_bytes,  # per worker
+        "peak_kv_bytes_per_worker": [w.peak_mapped_bytes for w in after.workers],
         "preemptions": after.num_preemptions - before.num_preemptions,
         "map_latency_p50_us": statistics.median(worker.map_latency_us) if worker.map_latency_us else 0.0,
         "stall_s": worker.stall_seconds - before.workers[0].stall_seconds,
@@ -220,10 +224,10 @@ def main() -> None:
     results["ray_vs_local"] = {
         name: {"wall": runs[name]["wall_s"] / runs[local]["wall_s"],
                "decode_step": runs[name]["mean_decode_step_ms"] / runs[local]["mean_decode_step_ms"]}
-        for name in runs if name.endswith("@ray") and (local := name.removesuffix("@ray")) in runs
+        for name in runs if "@ray" in name and (local := name.partition("@")[0]) in runs
     }
     for name, r in results["ray_vs_local"].items():
-        print(f"{name} / {name.removesuffix('@ray')}: wall {r['wall']:.3f}x, decode step {r['decode_step']:.3f}x")
+        print(f"{name} / {name.partition('@')[0]}: wall {r['wall']:.3f}x, decode step {r['decode_step']:.3f}x")
     for name, r in runs.items():
         if "worker_busy_s" in r:
             print(f"{name}: steps {r['engine_step_s']:.3f} s, of which the worker executed {r['worker_busy_s']:.3f} s")
