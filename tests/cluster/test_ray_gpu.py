@@ -38,7 +38,6 @@ def gpus():
 def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, tp, pp, layout, numerics):
     if tp * pp > gpus:
         pytest.skip(f"needs {tp * pp} GPUs, this machine has {gpus}")
-    numerics = {**numerics, "attention": "paged"} if layout == "paged" else numerics
     with LLM("tiny", device="cuda", kv_layout=layout, **numerics, **KW) as llm:
         want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
     with LLM("tiny", distributed="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_layout=layout,
