@@ -82,6 +82,8 @@ def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_r
     backend = "nccl" if device == "cuda" else "gloo"
     kwargs = {"device_id": torch.device("cuda", 0)} if device == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
+    if len(stage_ranks) == 1:
+        return None  # one stage: its TP group is the whole world, the default group
     groups = [dist.new_group(ranks) for ranks in stage_ranks]
     return groups[stage]
 

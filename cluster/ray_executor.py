@@ -19,6 +19,16 @@ from cluster.executor import StepResult
 from kvmem.stats import SlotAccounting
 from worker.messages import StepInput
 
+def _describe(exc: BaseException) -> str:
+    """One line: the worker's own exception, or what Ray says happened to the actor (and which one)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    lines = str(exc).splitlines()
+    name = next((line.strip() for line in lines if line.strip().startswith("name:")), "")
+    return f"{type(exc).__name__}: {lines[0] if lines else ''} {name}".strip()
+
+
 # NVLink multicast (NVLS) breaks on the lent GPU machines; every process of the group keeps it off.
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
@@ -98,9 +108,13 @@ class RayExecutor:
     # -- steps ---------------------------------------------------------------------------------
     def execute(self, step: StepInput) -> StepResult:
         try:
-            outs = ray.get(self._dag.execute(step), timeout=self.step_timeout_s)
+            refs = self._dag.execute(step)
+        except Exception as exc:
+            raise WorkerGroupError(f"step {step.step} could not be sent: {_describe(exc)}") from exc
+        try:
+            outs = ray.get(refs, timeout=self.step_timeout_s)
         except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
-            raise WorkerGroupError(f"step {step.step} failed: {type(exc).__name__}: {exc}") from exc
+            raise WorkerGroupError(f"step {step.step} failed: {_describe(exc)}") from exc
         sampler = len(outs) - self.plan.config.tensor_parallel_size  # the last stage's TP rank 0
         return StepResult(outs[sampler].sampled, tuple(o.report for o in outs))
 

@@ -36,6 +36,17 @@ class TPGroup:
         return x
 
 
+    def failed_rank(self, failed: bool, device: torch.device) -> int | None:
+        """The highest rank that says ``failed``, or None (every rank must call it, as with any collective)."""
+        if self.size == 1:
+            return self.rank if failed else None
+        import torch.distributed as dist
+
+        t = torch.tensor([self.rank + 1 if failed else 0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item()) - 1 if t.item() else None
+
+
 class ColumnParallelLinear(nn.Linear):
     """Output features split over the TP ranks; each rank computes its slice."""
 

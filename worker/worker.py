@@ -23,6 +23,10 @@ from worker.parallel import TPGroup
 from worker.runner import ModelRunner, ScheduledChunk, StepOutput, StepPlan
 
 
+class PeerFailed(RuntimeError):
+    """Another TP rank of this stage could not apply a step; this rank stops with it."""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything one shard needs to build itself; the scheduler makes one per (pp stage, tp rank)."""
@@ -51,7 +55,7 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device)
         backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
-        tp = TPGroup(config.tp_rank, config.tp_size, tp_group)
+        tp = self.tp = TPGroup(config.tp_rank, config.tp_size, tp_group)
         self.model = model or build_model(config.model, config.dtype, self.device, tp, config.layers, config.seed, config.progress)
         self.cache = self._make_cache()
         try:
@@ -81,16 +85,28 @@ class Worker:
             self._busy += time.perf_counter() - start
 
     def _execute(self, step: StepInput, inputs: torch.Tensor | None) -> StepOutput:
-        for seq in step.new_seqs:
-            self._seqs[seq.seq_id] = seq
-        for seq_id in step.finished_seqs:
-            self._seqs.pop(seq_id, None)
-        apply_ops(self.cache, step.kv_ops, self.swap)
+        error = None
+        try:
+            for seq in step.new_seqs:
+                self._seqs[seq.seq_id] = seq
+            for seq_id in step.finished_seqs:
+                self._seqs.pop(seq_id, None)
+            apply_ops(self.cache, step.kv_ops, self.swap)
+            plan = StepPlan(self._chunks(step))
+        except Exception as exc:  # e.g. KVCacheExhausted: this cache and the ledger disagree
+            error = exc
+        # A rank that failed here would leave its TP peers waiting in the layers' all-reduces forever:
+        # the ranks agree first, and all of them raise together.
+        failed = self.tp.failed_rank(error is not None, self.device)
+        if failed is not None:
+            c = self.config
+            raise error or PeerFailed(f"TP rank {failed} of stage {c.pp_rank} failed step {step.step} (its log has why); "
+                                      f"rank {c.tp_rank} stops with it")
         if not step.seq_ids:
             return StepOutput({})
         ahead = self.mapper.submit(MappingPlan(step.ahead))
         try:
-            return self.runner.execute(StepPlan(self._chunks(step)), inputs)
+            return self.runner.execute(plan, inputs)
         finally:
             # The scheduler sent only a plan that fits this pool: an error here means the ledger and this
             # cache disagree, which the caller must treat as fatal for the worker group.
