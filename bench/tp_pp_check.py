@@ -3,7 +3,8 @@ logits) of the first tokens each request draws, greedy, on the same preset weigh
 
 Reported per shape: the max abs error of the log-probs at the first position (the prefill's logits, same
 context everywhere) and over every position up to where the greedy tokens first differ, and the share of
-greedy tokens that agree.
+greedy tokens that agree. ``--float32-yardstick`` adds TP=1 bf16 against TP=1 float32: the error bf16 itself
+makes on this model, the scale to read the others by.
 
     python bench/tp_pp_check.py [--model llama-3-8b] [--shapes 2x1 1x2] [--requests 16]
 """
@@ -22,10 +23,10 @@ from worker.config import PRESETS
 from worker.sampling import SamplingParams
 
 
-def run(model: str, prompts, params, tp: int, pp: int, device: str, kv_memory: int) -> list:
+def run(model: str, prompts, params, tp: int, pp: int, device: str, kv_memory: int, **kw) -> list:
     distributed = "ray" if tp * pp > 1 else "local"
     with LLM(model, distributed=distributed, tensor_parallel_size=tp, pipeline_parallel_size=pp, device=device,
-             kv_memory=kv_memory, max_num_seqs=len(prompts), max_model_len=1024) as llm:
+             kv_memory=kv_memory, max_num_seqs=len(prompts), max_model_len=1024, **kw) as llm:
         return [o.outputs[0] for o in llm.generate(prompts, params)]
 
 
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--float32-yardstick", action="store_true", help="also TP=1 bfloat16 against float32")
     parser.add_argument("--kv-memory-gib", type=float, default=8, help="per worker")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     parser.add_argument("--name", default="tp_pp_check")
@@ -65,6 +67,10 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.empty_cache()
     rows, results = [], {}
+    if args.float32_yardstick:  # how far bf16 itself is from float32 on this model: the scale for the rest
+        r = compare(run(args.model, prompts, params, 1, 1, args.device, kv, dtype="float32", attention="torch"), want)
+        results["bf16 vs float32"] = r
+        rows.append(["TP=1 bf16 vs TP=1 float32", r["max_abs_err_first"], r["max_abs_err_matched"], r["token_agreement"]])
     for shape in args.shapes:
         tp, pp = map(int, shape.split("x"))
         r = compare(want, run(args.model, prompts, params, tp, pp, args.device, kv))

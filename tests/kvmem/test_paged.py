@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -92,3 +94,15 @@ def test_paged_rows_follow_the_block_table():
     index = cache.token_rows(slot, 10, 40)
     assert torch.equal(k_rows[index], kv(30, 10.0))
     assert torch.equal(v_rows[index], -kv(30, 10.0))
+
+
+def test_close_gives_the_block_pools_back_while_the_object_lives():
+    cache = make()
+    slot = cache.alloc_slot()
+    cache.ensure(slot, 40)
+    pools = [weakref.ref(cache._k), weakref.ref(cache._v)]
+    cache.close()
+    assert all(pool() is None for pool in pools)  # freed now, though the cache object lives on
+    stats = cache.stats()
+    assert (stats.pool_bytes, stats.mapped_bytes, stats.slots_in_use) == (0, 0, 0)
+    cache.close()  # twice is fine
