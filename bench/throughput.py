@@ -108,8 +108,8 @@ def hf_peer(config: ModelConfig, prompts, output: int):
 def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
     """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
     ``...@ray`` for the Ray engine (a scheduler actor over worker actors; ``model`` a preset name), with
-    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``)."""
-    spec, _, where = run.partition("@")
+    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``#k`` names a repeat."""
+    spec, _, where = run.partition("#")[0].partition("@")
     layout, _, attention = spec.partition(":")
     where, *dims = where.split("/")
     shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims}
@@ -143,6 +143,12 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         "worker_busy_s": worker.busy_seconds - before.workers[0].busy_seconds,
         "engine_step_s": after.step_seconds - before.step_seconds,
     }
+
+
+def in_process_peer(name: str) -> str:
+    """``mega@ray/tp2#2`` -> ``mega#2``: the in-process run of the same layout and repeat."""
+    base, _, repeat = name.partition("#")
+    return base.partition("@")[0] + (f"#{repeat}" if repeat else "")
 
 
 def plot(rows: list[list], floor: float, path: Path) -> None:
@@ -222,12 +228,12 @@ def main() -> None:
           f"matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s, copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     runs = results["runs"]
     results["ray_vs_local"] = {
-        name: {"wall": runs[name]["wall_s"] / runs[local]["wall_s"],
-               "decode_step": runs[name]["mean_decode_step_ms"] / runs[local]["mean_decode_step_ms"]}
-        for name in runs if "@ray" in name and (local := name.partition("@")[0]) in runs
+        f"{name} / {local}": {"wall": runs[name]["wall_s"] / runs[local]["wall_s"],
+                              "decode_step": runs[name]["mean_decode_step_ms"] / runs[local]["mean_decode_step_ms"]}
+        for name in runs if "@ray" in name and (local := in_process_peer(name)) in runs
     }
-    for name, r in results["ray_vs_local"].items():
-        print(f"{name} / {name.partition('@')[0]}: wall {r['wall']:.3f}x, decode step {r['decode_step']:.3f}x")
+    for pair, r in results["ray_vs_local"].items():
+        print(f"{pair}: wall {r['wall']:.3f}x, decode step {r['decode_step']:.3f}x")
     for name, r in runs.items():
         if "worker_busy_s" in r:
             print(f"{name}: steps {r['engine_step_s']:.3f} s, of which the worker executed {r['worker_busy_s']:.3f} s")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from kvmem.ops import AllocSlot, Ensure, FreeSlot, KVOp, SharePrefix
-from kvmem.slots import SlotCache
+from kvmem.slots import NumberedSlotCache
 from kvmem.spec import KVCacheSpec
 
 
-class PageLedger(SlotCache):
+class PageLedger(NumberedSlotCache):
     """Slots, page counts, refcounts and deferred reclamation exactly as a worker's cache keeps them,
     over ``num_pages`` numbered pages that back nothing.
 
@@ -21,10 +21,8 @@ class PageLedger(SlotCache):
     def __init__(self, spec: KVCacheSpec, num_pages: int, keeps_pages_on_free: bool):
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        super().__init__(spec)
+        super().__init__(spec, num_pages)
         self.keeps_pages_on_free = keeps_pages_on_free
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
         self._ops: list[KVOp] = []
 
     # -- recorded changes ----------------------------------------------------------------------
@@ -62,27 +60,7 @@ class PageLedger(SlotCache):
         ops, self._ops = tuple(self._ops), []
         return ops
 
-    # -- SlotCache hooks: numbers only ---------------------------------------------------------
-    def _take(self, n: int) -> list[int]:
-        taken = self._free[len(self._free) - n:] if n else []
-        del self._free[len(self._free) - n:]
-        return taken
-
-    def _give(self, page: int) -> None:
-        self._free.append(page)
-
-    def _free_units(self) -> int:
-        return len(self._free)
-
-    def _total_units(self) -> int:
-        return self.num_pages
-
-    def _attach(self, slot: int, index: int, page: int) -> None:
-        self._counters.maps += 1
-
-    def _detach(self, slot: int, index: int, page: int) -> None:
-        self._counters.unmaps += 1
-
+    # -- SlotCache hooks: no memory ---------------------------------------------------------
     def _copy(self, slot: int, index: int, src: int, dst: int) -> None:
         pass  # no contents: the workers copy
 

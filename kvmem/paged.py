@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvmem.slots import SlotCache
+from kvmem.slots import NumberedSlotCache
 from kvmem.spec import KVCacheSpec
 
 
-class PagedKVCache(SlotCache):
+class PagedKVCache(NumberedSlotCache):
     """vLLM-style paged KV cache with the same slot interface and stats as ``VirtualKVCache``.
 
     ``spec.layout`` must be ``"paged"``; ``spec.page_size`` is the block size in tokens (16 by default
@@ -20,16 +20,15 @@ class PagedKVCache(SlotCache):
     def __init__(self, spec: KVCacheSpec, pool_bytes: int, device: str | torch.device = "cpu"):
         if spec.layout != "paged":
             raise ValueError(f"PagedKVCache needs layout 'paged', got {spec.layout!r}")
-        super().__init__(spec)
-        self.block_bytes = spec.page_size * spec.bytes_per_token  # K and V, all layers
-        self.num_blocks = pool_bytes // self.block_bytes
-        if self.num_blocks <= 0:
-            raise ValueError(f"pool_bytes={pool_bytes} holds no block of {self.block_bytes} bytes")
-        shape = (self.num_blocks, spec.page_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        block_bytes = spec.page_size * spec.bytes_per_token  # K and V, all layers
+        if pool_bytes < block_bytes:
+            raise ValueError(f"pool_bytes={pool_bytes} holds no block of {block_bytes} bytes")
+        super().__init__(spec, pool_bytes // block_bytes)
+        self.block_bytes = block_bytes
+        shape = (self.num_pages, spec.page_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.device = torch.device(device)
         self._k = torch.empty(shape, dtype=spec.dtype, device=self.device)
         self._v = torch.empty(shape, dtype=spec.dtype, device=self.device)
-        self._free = list(range(self.num_blocks - 1, -1, -1))
         self._rows = [(self.k(i).flatten(0, 1), self.v(i).flatten(0, 1)) for i in range(spec.num_layers)]
 
     @property
@@ -83,38 +82,18 @@ class PagedKVCache(SlotCache):
             return k_rows[index], v_rows[index]
 
     # -- SlotCache hooks -----------------------------------------------------------------------
-    def _take(self, n: int) -> list[int]:
-        taken = self._free[-n:] if n else []
-        del self._free[len(self._free) - n:]
-        return taken
-
-    def _give(self, page: int) -> None:
-        self._free.append(page)
-
-    def _free_units(self) -> int:
-        return len(self._free)
-
-    def _total_units(self) -> int:
-        return self.num_blocks
-
-    def _attach(self, slot: int, index: int, page: int) -> None:
-        self._counters.maps += 1
-
-    def _detach(self, slot: int, index: int, page: int) -> None:
-        self._counters.unmaps += 1
-
     def _copy(self, slot: int, index: int, src: int, dst: int) -> None:
         self._k[dst] = self._k[src]
         self._v[dst] = self._v[src]
 
     def _pool_stats(self) -> tuple[int, int]:
-        return self.num_blocks * self.block_bytes, self.num_blocks * self.block_bytes
+        return self.num_pages * self.block_bytes, self.num_pages * self.block_bytes
 
     def close(self) -> None:
         """Drop the block pools now, not whenever the object is collected: a second cache made in this
         process while this one is still referenced gets the memory."""
         with self._lock:
-            if self.num_blocks == 0:
+            if self.num_pages == 0:
                 return
             for slot, state in enumerate(self._slots):
                 self._drop_tail(slot, 0)
@@ -122,7 +101,7 @@ class PagedKVCache(SlotCache):
             self._k = self._v = torch.empty(0, dtype=self.spec.dtype, device=self.device)
             self._rows = []
             self._free.clear()
-            self.num_blocks = 0
+            self.num_pages = 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the blocks back to the driver, not only to torch's allocator
 

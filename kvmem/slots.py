@@ -374,3 +374,33 @@ class SlotCache(ABC):
                 map_latency_us=tuple(c.map_latency_us),
                 stall_seconds=c.stall_seconds,
             )
+
+
+class NumberedSlotCache(SlotCache):
+    """Slots over pages that are plain numbers ``0..num_pages-1`` on a free list: the paged cache's blocks,
+    or a ledger's pages that back nothing."""
+
+    def __init__(self, spec: KVCacheSpec, num_pages: int):
+        super().__init__(spec)
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    def _take(self, n: int) -> list[int]:
+        taken = self._free[len(self._free) - n:] if n else []
+        del self._free[len(self._free) - n:]
+        return taken
+
+    def _give(self, page: int) -> None:
+        self._free.append(page)
+
+    def _free_units(self) -> int:
+        return len(self._free)
+
+    def _total_units(self) -> int:
+        return self.num_pages
+
+    def _attach(self, slot: int, index: int, page: int) -> None:
+        self._counters.maps += 1
+
+    def _detach(self, slot: int, index: int, page: int) -> None:
+        self._counters.unmaps += 1

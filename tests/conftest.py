@@ -88,4 +88,4 @@ def check_invariants(cache) -> None:
     else:
         blocks = list(refs)
         assert not set(blocks) & set(cache._free)
-        assert len(cache._free) + len(blocks) == cache.num_blocks
+        assert len(cache._free) + len(blocks) == cache.num_pages
