@@ -282,7 +282,7 @@ class EngineCore:
         t = self.telemetry
         return EngineSnapshot(t.workers(self.ledger), tuple(requests), len(s.running), len(s.waiting) - swapped, swapped,
                               s.num_preemptions, self.num_steps, self.num_rebuilds, t.step_seconds, t.num_decode_steps,
-                              t.decode_step_seconds)
+                              t.decode_step_seconds, t.decode_busy_seconds)
 
     def close(self) -> None:
         self.executor.close()

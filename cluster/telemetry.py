@@ -64,6 +64,7 @@ class EngineSnapshot:
     step_seconds: float  # summed over all steps, scheduling and the workers' round trip included
     num_decode_steps: int  # steps without prefill tokens
     decode_step_seconds: float
+    decode_busy_seconds: float  # of that, time the first worker spent executing
 
 
 class Telemetry:
@@ -77,12 +78,19 @@ class Telemetry:
         self.step_seconds = 0.0
         self.num_decode_steps = 0
         self.decode_step_seconds = 0.0
+        self.decode_busy_seconds = 0.0  # of that, the first worker's execution
+        self._busy = 0.0
 
     def record_step(self, prefill_tokens: int, seconds: float) -> None:
+        """After ``record`` of the step's reports: its wall time, split out for decode-only steps."""
         self.step_seconds += seconds
+        first = self.reports.get((0, 0))
+        busy = first.busy_seconds if first else 0.0
         if prefill_tokens == 0:
             self.num_decode_steps += 1
             self.decode_step_seconds += seconds
+            self.decode_busy_seconds += max(0.0, busy - self._busy)
+        self._busy = busy
 
     def record(self, reports: tuple[WorkerReport, ...]) -> None:
         for r in reports:
@@ -94,6 +102,7 @@ class Telemetry:
     def reset(self) -> None:
         """A rebuilt worker group starts from zero."""
         self.reports.clear()
+        self._busy = 0.0
         for samples in self.latency.values():
             samples.clear()
 
