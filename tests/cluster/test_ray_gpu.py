@@ -34,6 +34,7 @@ def gpus():
 
 @pytest.mark.parametrize(("tp", "pp", "layout", "numerics"), [
     (1, 1, "mega", BF16), (1, 1, "paged", BF16), (2, 1, "mega", FP32), (1, 2, "per_layer", FP32), (2, 1, "paged", FP32),
+    (2, 2, "mega", FP32),
 ])
 def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, tp, pp, layout, numerics):
     if tp * pp > gpus:
