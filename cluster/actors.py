@@ -50,15 +50,18 @@ class WorkerActor:
             group = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank)
             self._distributed = True
         self.worker = Worker(cfg, tp_group=group)
+        # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
+        self._hidden_device = torch.device("cuda", 0) if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
 
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None):
-        """The step; a stage before the last returns its hidden states for the next one."""
+        """The step; a stage before the last returns its hidden states for the next one (on its GPU when
+        one next-stage reader takes them over NCCL, else in host memory)."""
         out = self.worker.execute(step, inputs)
         if self.worker.model.is_last:
             return WorkerOutput(out.sampled, self.worker.report())
         if out.hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
-            return torch.empty(0, self.worker.model.config.hidden_size, device=self.worker.device)
-        return out.hidden
+            return torch.empty(0, self.worker.model.config.hidden_size, device=self._hidden_device)
+        return out.hidden.to(self._hidden_device)
 
     def report(self, _hidden: torch.Tensor) -> WorkerOutput:
         return WorkerOutput({}, self.worker.report())

@@ -98,7 +98,10 @@ class RayExecutor:
                 if p == pp - 1:
                     outputs += nodes
                     break
-                if self.plan.device == "cuda":
+                if self.plan.device == "cuda" and tp == 1:
+                    # GPU to GPU over NCCL (measured on 2xH200, PP=2). With several TP readers per stage the
+                    # hidden states go through host memory instead: that run (TP=2 x PP=2, 4xH200) hung with
+                    # Ray's NCCL channel to two readers beside torch's NCCL TP groups.
                     nodes[0] = nodes[0].with_tensor_transport("accelerator")
                 outputs += [a.report.bind(node) for a, node in zip(stage, nodes)]
                 hidden = nodes[0]  # TP ranks of a stage end equal (all-reduced): rank 0's goes on
