@@ -247,9 +247,10 @@ class EngineCore:
         self.executor.rebuild()
         self.num_rebuilds += 1
         self.telemetry.reset()
-        preemptions = self.scheduler.num_preemptions
+        old = self.scheduler
         self._reset_scheduler()
-        self.scheduler.num_preemptions = preemptions  # a counter: it never goes back
+        self.scheduler.num_preemptions = old.num_preemptions  # a counter: it never goes back
+        self.scheduler.continue_ids(old)  # kept sequences keep their ids: new ones must not take them
         for r in kept:
             seq = r.seqs[0]
             seq.slot, seq.status = None, SeqStatus.WAITING

@@ -64,6 +64,10 @@ class Scheduler:
         self._next_seq_id += 1
         return self._next_seq_id
 
+    def continue_ids(self, previous: "Scheduler") -> None:
+        """Number new sequences after ``previous``'s (a scheduler that replaces it)."""
+        self._next_seq_id = max(self._next_seq_id, previous._next_seq_id)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

@@ -129,3 +129,28 @@ def test_flash_kernels_refuse_a_head_dim_they_would_pad():
     model = random_model(replace(PRESETS["tiny"], head_dim=12), torch.float32, "cpu")
     with pytest.raises(ValueError, match="attention 'fa2' needs head_dim a multiple of 8, got 12"):
         LLM(model, attention="fa2", device="cuda", dtype="float32")
+
+
+def test_recovery_fails_what_ran_requeues_what_waited_and_keeps_sequence_ids_unique():
+    from cluster.errors import WorkerGroupError
+
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    kw = dict(kv_memory=16 << 20, max_num_seqs=2, max_model_len=256, page_size=4096, device="cpu")
+    with LLM("tiny", **kw) as reference:
+        want = [o.outputs[0].token_ids for o in reference.generate(["w1", "w2", "w3"], greedy)]
+    with LLM("tiny", **kw) as llm:
+        running = [llm.add_request(p, greedy) for p in ("r1", "r2")]
+        waiting = [llm.add_request(p, greedy) for p in ("w1", "w2", "w3")]
+        for _ in range(3):
+            llm.step()
+        failed = llm.core.recover(WorkerGroupError("step 3 failed: test"))
+        assert sorted(o.request_id for o in failed) == sorted(running)
+        assert all(o.finished and o.outputs[0].finish_reason == "error" and "step 3 failed: test" in o.error for o in failed)
+        late = [llm.add_request(p, greedy) for p in ("w1", "w2", "w3")]  # numbered after the kept sequences
+        ids = [s.seq_id for r in llm.core._requests.values() for s in r.seqs]
+        assert len(ids) == len(set(ids)) == 6
+        done = {}
+        while llm.scheduler.has_work:
+            done.update({o.request_id: o for o in llm.step() if o.finished})
+        assert [done[i].outputs[0].token_ids for i in (*waiting, *late)] == [*want, *want]
+        assert llm.core.ledger.accounting() == llm.cache.accounting()
