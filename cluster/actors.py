@@ -217,10 +217,12 @@ class SchedulerActor:
             return outputs
         try:
             return outputs + self.core.step(finished_only=True, streamed=self._streamed)
-        except WorkerGroupError as exc:
+        except Exception as exc:  # the loop thread must live on: clients wait on it
             try:
-                return outputs + self.core.recover(exc)
-            except BaseException as fatal:
-                self._error = EngineDeadError(f"the worker group failed ({exc}) and could not be rebuilt: {fatal}")
+                # A worker's failure spares the requests that had not started; any other error may come from
+                # one of them, so all go.
+                return outputs + self.core.recover(exc, keep_waiting=isinstance(exc, WorkerGroupError))
+            except Exception as fatal:
+                self._error = EngineDeadError(f"the engine failed ({exc}) and could not be rebuilt: {fatal}")
                 return outputs + self.core.fail_all(str(self._error))
 

@@ -229,14 +229,15 @@ class EngineCore:
                              metrics, error)
 
     # -- faults --------------------------------------------------------------------------------
-    def recover(self, error: BaseException) -> list[RequestOutput]:
+    def recover(self, error: BaseException, keep_waiting: bool = True) -> list[RequestOutput]:
         """After the worker group failed: fail every request in flight with ``error``, rebuild the group
-        and a fresh ledger, and queue again the requests that had not started. Returns the failed outputs."""
+        and a fresh ledger, and queue again the requests that had not started (``keep_waiting``; not when
+        the step itself is in doubt). Returns the failed outputs."""
         message = f"the worker group failed and was rebuilt; this request was in flight: {error}"
         failed, kept = [], []  # started requests lost their K/V with the workers
         for r in self._requests.values():
             started = any(s.status is not SeqStatus.WAITING or s.num_computed or s.num_output_tokens for s in r.seqs)
-            (failed if started else kept).append(r)
+            (failed if started or not keep_waiting else kept).append(r)
         outputs = []
         for r in failed:
             for seq in r.seqs:
