@@ -25,7 +25,6 @@ from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 import report  # noqa: E402
 from kvmem.ops import Ensure  # noqa: E402
 from worker.messages import StepInput, WorkerOutput, WorkerReport  # noqa: E402
-from worker.sampling import SampledToken  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
@@ -39,7 +38,7 @@ class EchoWorker:
     def step(self, msg: StepInput) -> WorkerOutput:
         if self.work_s:
             time.sleep(self.work_s)
-        sampled = {i: (SampledToken(7),) for i in msg.seq_ids} if self.samples else {}
+        sampled = {i: (7,) for i in msg.seq_ids} if self.samples else {}
         return WorkerOutput(sampled, self.report)
 
 

@@ -58,7 +58,7 @@ class WorkerActor:
         one next-stage reader takes them over NCCL, else in host memory)."""
         out = self.worker.execute(step, inputs)
         if self.worker.model.is_last:
-            return WorkerOutput(out.sampled, self.worker.report())
+            return WorkerOutput(out.sampled, self.worker.report(), out.logprobs)
         if out.hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
             return torch.empty(0, self.worker.model.config.hidden_size, device=self._hidden_device)
         return out.hidden.to(self._hidden_device)
@@ -95,6 +95,10 @@ def _leave_groups() -> None:
     dist.destroy_process_group()
 
 
+#: Seconds a finished request's output waits for its client before it is dropped (a client that went away).
+UNCLAIMED_OUTPUT_S = 300.0
+
+
 @ray.remote(num_cpus=0)
 class SchedulerActor:
     """Owns the engine core (scheduler, page ledger, requests, telemetry) and runs its step loop on a
@@ -110,10 +114,16 @@ class SchedulerActor:
         self._inbox: list[tuple[str, object]] = []
         self._outputs: dict[str, list[RequestOutput]] = {}
         self._streamed: set[str] = set()
+        self._unclaimed: dict[str, float] = {}  # finished request -> when its final output was buffered
         try:
             engine_plan = plan(config, model_config(config.model), config.device)
             tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
-            self.core = EngineCore(engine_plan, RayExecutor(engine_plan), tokenizer)
+            executor = RayExecutor(engine_plan)
+            try:
+                self.core = EngineCore(engine_plan, executor, tokenizer)
+            except BaseException:
+                executor.close()  # no worker outlives a failed start
+                raise
         except BaseException as exc:  # raised to the client by ready(), which then kills this actor
             self._error = exc
             return
@@ -132,6 +142,8 @@ class SchedulerActor:
         self._check_alive()
         prepared = [self.core.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
         with self._cond:
+            if self._closed:
+                raise EngineDeadError("the engine is shutting down: no new requests")
             for r in prepared:
                 self._outputs[r.request_id] = []
                 if stream:
@@ -162,9 +174,13 @@ class SchedulerActor:
                 if i in self._outputs:
                     self._outputs[i] = []
                     if out and out[-1].request_id == i and out[-1].finished:
-                        del self._outputs[i]
-                        self._streamed.discard(i)
+                        self._forget(i)
             return out
+
+    def _forget(self, request_id: str) -> None:
+        del self._outputs[request_id]
+        self._streamed.discard(request_id)
+        self._unclaimed.pop(request_id, None)
 
     def snapshot(self) -> EngineSnapshot:
         with self._core_lock:
@@ -199,30 +215,42 @@ class SchedulerActor:
                     return
                 inbox, self._inbox = self._inbox, []
             with self._core_lock:
-                outputs = self._step(inbox)
+                try:
+                    outputs = self._step(inbox)
+                except BaseException as exc:  # clients wait on this thread: they hear of its end
+                    self._error = EngineDeadError(f"the engine's step loop failed: {type(exc).__name__}: {exc}")
+                    outputs = self.core.fail_all(str(self._error))
             with self._cond:
-                for o in outputs:
-                    if o.request_id in self._outputs:
-                        self._outputs[o.request_id].append(o)
+                self._deliver(outputs)
                 self._cond.notify_all()
+            if self._error is not None:
+                return
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for o in outputs:
+            if o.request_id in self._outputs:
+                self._outputs[o.request_id].append(o)
+                if o.finished:
+                    self._unclaimed[o.request_id] = now
+        for request_id, since in list(self._unclaimed.items()):
+            if now - since > UNCLAIMED_OUTPUT_S:
+                self._forget(request_id)
 
     def _step(self, inbox: list[tuple[str, object]]) -> list[RequestOutput]:
-        outputs = []
-        for kind, item in inbox:
-            if kind == "add":
-                self.core.add(item)
-            elif (final := self.core.abort(item)) is not None:
-                outputs.append(final)
-        if not self.core.has_work:
-            return outputs
         try:
-            return outputs + self.core.step(finished_only=True, streamed=self._streamed)
+            for kind, item in inbox:
+                if kind == "add":
+                    self.core.add(item)
+                else:
+                    self.core.abort(item)  # its final output comes with the step's
+            return self.core.step(finished_only=True, streamed=self._streamed)
         except Exception as exc:  # the loop thread must live on: clients wait on it
             try:
                 # A worker's failure spares the requests that had not started; any other error may come from
                 # one of them, so all go.
-                return outputs + self.core.recover(exc, keep_waiting=isinstance(exc, WorkerGroupError))
+                return self.core.recover(exc, keep_waiting=isinstance(exc, WorkerGroupError))
             except Exception as fatal:
                 self._error = EngineDeadError(f"the engine failed ({exc}) and could not be rebuilt: {fatal}")
-                return outputs + self.core.fail_all(str(self._error))
+                return self.core.fail_all(str(self._error))
 

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from kvmem import KVCacheSpec
+from cluster.scheduler import SchedulerConfig
 from kvmem.ledger import PageLedger
 from worker.attention import IN_PLACE
 from worker.config import PRESETS, ModelConfig
@@ -64,12 +65,18 @@ class EnginePlan:
     attention: str
     max_model_len: int
     workers: tuple[WorkerConfig, ...]
+    scheduler: SchedulerConfig
     ledger_spec: KVCacheSpec
     num_pages: int
 
     @property
     def cuda_graphs(self) -> bool:
         return self.workers[0].graph_batch > 0
+
+    @property
+    def slot_pages(self) -> int:
+        """Pages one request's slot can ever get: the pool, less the CUDA graphs' scratch page."""
+        return self.num_pages - (1 if self.cuda_graphs else 0)
 
     def new_ledger(self) -> PageLedger:
         """A fresh ledger (and the CUDA graphs' scratch slot in it, recorded for the workers)."""
@@ -115,6 +122,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"distributed must be 'local' or 'ray', got {config.distributed!r}")
     if config.distributed == "local" and tp * pp > 1:
         raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs distributed='ray'")
+    # Checked before any worker starts (a bad value must not leave actors behind).
+    scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space)
     if config.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
@@ -152,5 +161,5 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]
-    return EnginePlan(config, model, device, dtype, attention, max_model_len, workers, ledger_spec, num_pages)
+    return EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, num_pages)
 

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from cluster.config import EngineConfig, plan
 from cluster.engine_core import EngineCore, Prompt
+from cluster.errors import EngineDeadError
 from cluster.executor import LocalExecutor
 from cluster.outputs import RequestOutput
 from cluster.telemetry import EngineSnapshot
@@ -56,6 +57,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Transformer = "tiny", *, distributed: str = "local", **kwargs):
+        self._live: Engine | None = None
         built = model if isinstance(model, Transformer) else None
         config = EngineConfig(model="" if built else model, distributed=distributed, **kwargs)
         if distributed == "ray":
@@ -63,7 +65,7 @@ class LLM:
                 raise ValueError("distributed='ray' builds the model in its worker actors: pass a preset or a directory")
             from cluster.ray_engine import RayEngine
 
-            self._engine: Engine = RayEngine(config)
+            self._live = RayEngine(config)
             self.tokenizer = self._engine.tokenizer
             self.max_model_len = self._engine.max_model_len
             return
@@ -74,7 +76,17 @@ class LLM:
         self.tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
         self.max_model_len = engine_plan.max_model_len
         executor = LocalExecutor(engine_plan, built)
-        self._engine = self.core = EngineCore(engine_plan, executor, self.tokenizer)
+        try:
+            self._live = self.core = EngineCore(engine_plan, executor, self.tokenizer)
+        except BaseException:
+            executor.close()
+            raise
+
+    @property
+    def _engine(self) -> Engine:
+        if self._live is None:
+            raise EngineDeadError("this LLM was closed: start a new one")
+        return self._live
 
     # -- in-process access (benchmarks, tests) -------------------------------------------------
     @property
@@ -101,7 +113,8 @@ class LLM:
         return self._engine.add_requests([prompt], [params])[0]
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now; its memory is freed."""
+        """Stop a request now; its memory is freed. Its ``generate``/``stream`` ends it with
+        ``finish_reason="abort"`` (text so far kept); an unknown or finished id is ignored."""
         self._engine.abort(request_id)
 
     def snapshot(self) -> EngineSnapshot:
@@ -133,8 +146,10 @@ class LLM:
                             bar.update(1)
 
     def close(self) -> None:
-        """Stop the workers and give the KV memory back (Ray: no actor or placement group is left)."""
-        self._engine.close()
+        """Stop the workers and give the KV memory back (Ray: no actor or placement group is left). Once."""
+        if self._live is not None:
+            engine, self._live = self._live, None
+            engine.close()
 
     def __enter__(self) -> "LLM":
         return self

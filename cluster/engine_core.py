@@ -16,7 +16,7 @@ import torch
 from cluster.config import EnginePlan
 from cluster.executor import Executor
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from cluster.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from cluster.scheduler import Scheduler, SchedulerOutput
 from cluster.sequence import Request, Sequence, SeqStatus
 from cluster.telemetry import EngineSnapshot, RequestProgress, Telemetry
 from worker.messages import NewSeq, StepInput
@@ -55,17 +55,17 @@ class EngineCore:
         self.telemetry = Telemetry(plan)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._ended: list[RequestOutput] = []  # final outputs of aborted requests, for the next step to return
+        self._deferred: Exception | None = None  # a failed flush, raised by the next step
+        self._messages = itertools.count()  # numbers every StepInput (steps and flushes) for error messages
         self.num_steps = 0
         self.num_rebuilds = 0
         self.last_step: StepInfo | None = None
         self._reset_scheduler()
 
     def _reset_scheduler(self) -> None:
-        c = self.plan.config
         self.ledger = self.plan.new_ledger()
-        self.scheduler = Scheduler(
-            SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, c.preemption_mode, c.swap_space), self.ledger
-        )
+        self.scheduler = Scheduler(self.plan.scheduler, self.ledger)
         self._announced: set[int] = set()  # sequences whose sampling state the workers hold
         self._forget: list[int] = []  # announced sequences that finished since the last step
 
@@ -87,10 +87,11 @@ class EngineCore:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the maximum context is {self.max_model_len}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if not self.ledger.fits(longest):
+        spec, pages = self.plan.ledger_spec, self.plan.slot_pages
+        if spec.pages_for(longest) > pages:
             raise ValueError(
-                f"request needs {longest} tokens of KV cache in one slot, more than the whole pool "
-                f"({self.plan.workers[0].pool_bytes} bytes per worker) can hold: it could never run"
+                f"request needs {longest} tokens of KV cache in one slot, {spec.pages_for(longest)} pages; "
+                f"each worker's pool holds {pages} for a request: it could never run"
             )
         text = prompt if isinstance(prompt, str) else None
         return PreparedRequest(str(next(self._ids)), text, tuple(ids), params)
@@ -111,17 +112,18 @@ class EngineCore:
         self.scheduler.add(seq)
         return r.request_id
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its memory is freed. Returns its final output (None if it was not here)."""
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its memory is freed. The next ``step`` returns its final output
+        (``finish_reason="abort"``); an unknown or finished id is ignored."""
         request = self._requests.pop(request_id, None)
         if request is None:
-            return None
+            return
         for seq in request.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "abort")
+        self._ended.append(self._output(request, final=True))
         if not self.scheduler.has_work:
-            self.flush()
-        return self._output(request)
+            self._flush_or_defer()
 
     def poll(self, pending: set[str], finished_only: bool) -> list[RequestOutput]:
         return self.step(finished_only)
@@ -133,13 +135,18 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------------
     def step(self, finished_only: bool = False, streamed: set[str] = frozenset()) -> list[RequestOutput]:
         """One scheduling step; returns the requests that made progress (finished ones removed), or with
-        ``finished_only`` just those that finished and those in ``streamed`` (no text is built for the others)."""
+        ``finished_only`` just those that finished and those in ``streamed`` (no text is built for the others).
+        Requests aborted since the last step come first, finished. Raises what the last flush raised."""
+        if self._deferred is not None:
+            error, self._deferred = self._deferred, None
+            raise error
         start = time.perf_counter()
+        ended, self._ended = self._ended, []
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_work and not self.scheduler.running:
                 raise RuntimeError("no waiting request fits in the KV cache and nothing runs to free memory")
-            return []
+            return ended
         self.last_step = StepInfo(
             len(out.scheduled),
             sum(s.num_tokens for s in out.scheduled),
@@ -149,7 +156,7 @@ class EngineCore:
         result = self.executor.execute(self._step_input(out))
         self.num_steps += 1
         self.telemetry.record(result.reports)
-        updated = self.scheduler.postprocess(out, result.sampled)
+        updated = self.scheduler.postprocess(out, result.sampled, result.logprobs)
         for seq in updated:
             self._check_stop(seq)
         touched = {seq.request.request_id: seq.request for seq in updated}
@@ -159,15 +166,22 @@ class EngineCore:
                 del self._requests[o.request_id]
         self.telemetry.record_step(self.last_step.num_prefill_tokens, time.perf_counter() - start)
         if not self.scheduler.has_work:
-            self.flush()
-        return outputs
+            self._flush_or_defer()  # these outputs are final whatever the workers do next
+        return ended + outputs
 
     def flush(self) -> None:
         """Send the workers what the ledger recorded since the last step (the frees of the last requests to
         finish, an abort) without a batch, so that an idle engine's workers hold what its ledger holds."""
         if self.ledger.has_ops or self._forget:
             forget, self._forget = tuple(self._forget), []
-            self.telemetry.record(self.executor.execute(StepInput(self.num_steps, (), forget, self.ledger.take_ops())).reports)
+            step = StepInput(next(self._messages), (), forget, self.ledger.take_ops())
+            self.telemetry.record(self.executor.execute(step).reports)
+
+    def _flush_or_defer(self) -> None:
+        try:
+            self.flush()
+        except Exception as exc:  # the next step raises it, and the caller recovers then
+            self._deferred = exc
 
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         ops = self.ledger.take_ops()
@@ -186,7 +200,7 @@ class EngineCore:
             tokens.extend(seq.token_ids[seq.num_computed : seq.num_computed + s.num_tokens])
             offsets.append(len(tokens))
         forget, self._forget = tuple(self._forget), []
-        return StepInput(self.num_steps, tuple(new), forget, ops, ahead, tuple(seq_ids), tuple(slots), tuple(starts),
+        return StepInput(next(self._messages), tuple(new), forget, ops, ahead, tuple(seq_ids), tuple(slots), tuple(starts),
                          tuple(samples), tuple(produced), tuple(tokens), tuple(offsets))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -209,7 +223,7 @@ class EngineCore:
         if reason:
             self._finish(seq, reason)
 
-    def _output(self, r: Request, error: str | None = None) -> RequestOutput:
+    def _output(self, r: Request, error: str | None = None, final: bool = False) -> RequestOutput:
         completions = []
         for seq in sorted(r.seqs, key=lambda s: s.sample_index):
             text = self.tokenizer.decode(seq.output_token_ids)
@@ -225,8 +239,8 @@ class EngineCore:
             t.finished - t.arrival if t.finished else None,
             sum(s.num_preemptions for s in r.seqs),
         )
-        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, tuple(completions), r.finished or error is not None,
-                             metrics, error)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, tuple(completions),
+                             r.finished or final or error is not None, metrics, error)
 
     # -- faults --------------------------------------------------------------------------------
     def recover(self, error: BaseException, keep_waiting: bool = True) -> list[RequestOutput]:
@@ -234,11 +248,11 @@ class EngineCore:
         and a fresh ledger, and queue again the requests that had not started (``keep_waiting``; not when
         the step itself is in doubt). Returns the failed outputs."""
         message = f"the worker group failed and was rebuilt; this request was in flight: {error}"
+        outputs, self._ended, self._deferred = self._ended, [], None
         failed, kept = [], []  # started requests lost their K/V with the workers
         for r in self._requests.values():
             started = any(s.status is not SeqStatus.WAITING or s.num_computed or s.num_output_tokens for s in r.seqs)
             (failed if started or not keep_waiting else kept).append(r)
-        outputs = []
         for r in failed:
             for seq in r.seqs:
                 if seq.status is not SeqStatus.FINISHED:
@@ -260,7 +274,7 @@ class EngineCore:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """The engine cannot go on: end every request with ``message``."""
-        outputs = []
+        outputs, self._ended = self._ended, []
         for r in self._requests.values():
             for seq in r.seqs:
                 if seq.status is not SeqStatus.FINISHED:

@@ -4,7 +4,7 @@ sampled tokens and every worker's pool report back; it does not know whether tha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cluster.config import EnginePlan
@@ -16,8 +16,9 @@ from worker.worker import Worker
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[int, tuple[SampledToken, ...]]
+    sampled: dict[int, tuple[int, ...]]  # seq_id -> token ids drawn
     reports: tuple[WorkerReport, ...]  # one per worker, pp-major
+    logprobs: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # for the sequences that asked
 
 
 class Executor(Protocol):
@@ -39,7 +40,7 @@ class LocalExecutor:
 
     def execute(self, step: StepInput) -> StepResult:
         out = self.worker.execute(step)
-        return StepResult(out.sampled, (self.worker.report(),))
+        return StepResult(out.sampled, (self.worker.report(),), out.logprobs)
 
     def rebuild(self) -> None:
         self.worker.close()

@@ -119,7 +119,7 @@ class RayExecutor:
         except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
             raise WorkerGroupError(f"step {step.step} failed: {_describe(exc)}") from exc
         sampler = len(outs) - self.plan.config.tensor_parallel_size  # the last stage's TP rank 0
-        return StepResult(outs[sampler].sampled, tuple(o.report for o in outs))
+        return StepResult(outs[sampler].sampled, tuple(o.report for o in outs), outs[sampler].logprobs)
 
     def accounting(self) -> list[SlotAccounting]:
         """Every worker's slot accounting (the workers' threads answer between steps)."""

@@ -30,8 +30,12 @@ class SchedulerConfig:
     swap_space_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {self}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space must be an int >= 0 bytes, got {self.swap_space_bytes!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
@@ -158,7 +162,8 @@ class Scheduler:
         """What the next step will need, for the AsyncMapper to map while this step computes: one more
         token for each sequence that samples now, the next chunk for each still in prefill. The ledger
         backs each at once; what it cannot back is left out (best effort: the next ``schedule`` preempts),
-        so the plan every worker gets is one that fits every worker's pool.
+        so the plan every worker gets is one that fits every worker's pool. A slot whose next pages are
+        shared is left out too: its copy-on-write must not race this step's writes.
 
         (Mapping free slots eagerly for the next admissions was measured too -- H100, 128 requests: no gain
         in wall time, +30% mapped memory from over-mapping -- and left out.)"""
@@ -169,17 +174,22 @@ class Scheduler:
             done = s.seq.num_computed + s.num_tokens
             step = 1 if s.num_samples else min(len(s.seq.token_ids) - done, budget)
             budget -= step
+            target = min(done + step, limit)
+            if self.kv.would_copy(s.seq.slot, target):
+                continue  # a copy-on-write waits for the next step's recorded ensure, before its writes
             try:
-                self.kv.ensure(s.seq.slot, min(done + step, limit), record=False)
+                self.kv.ensure(s.seq.slot, target, record=False)
             except KVCacheExhausted:
                 continue
-            needs[s.seq.slot] = min(done + step, limit)
+            needs[s.seq.slot] = target
         return MappingPlan(needs)
 
     # -- results -------------------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: dict[int, tuple[SampledToken, ...]]) -> list[Sequence]:
-        """Advance computed counts and append sampled tokens; returns the sequences that got a token
-        (forks of n > 1 requests included)."""
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, tuple[int, ...]],
+                    logprobs: dict[int, tuple[SampledToken, ...]] | None = None) -> list[Sequence]:
+        """Advance computed counts and append sampled token ids (with their ``logprobs`` for the sequences
+        that asked); returns the sequences that got a token (forks of n > 1 requests included)."""
+        logprobs = logprobs or {}
         updated = []
         now = time.monotonic()
         for s in out.scheduled:
@@ -189,23 +199,24 @@ class Scheduler:
             if not tokens:
                 continue
             seq.request.times.first_token = seq.request.times.first_token or now
-            self._append(seq, tokens[0])
+            drawn = logprobs.get(seq.seq_id) or (None,) * len(tokens)
+            self._append(seq, tokens[0], drawn[0])
             updated.append(seq)
-            updated.extend(self._fork(seq, k, token) for k, token in enumerate(tokens[1:], start=1))
+            updated.extend(self._fork(seq, k, tokens[k], drawn[k]) for k in range(1, len(tokens)))
         return updated
 
     @staticmethod
-    def _append(seq: Sequence, token: SampledToken) -> None:
-        seq.token_ids.append(token.token_id)
-        if seq.request.params.logprobs is not None:
-            seq.logprobs.append(token)
+    def _append(seq: Sequence, token: int, logprobs: SampledToken | None) -> None:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
 
-    def _fork(self, parent: Sequence, index: int, token: SampledToken) -> Sequence:
+    def _fork(self, parent: Sequence, index: int, token: int, logprobs: SampledToken | None) -> Sequence:
         """Parallel sample ``index`` of ``parent``'s request: shares the prompt's pages when a slot is free."""
         prompt = parent.num_prompt_tokens
         child = Sequence(self.new_seq_id(), parent.request, index, list(parent.request.prompt_token_ids))
         parent.request.seqs.append(child)
-        self._append(child, token)
+        self._append(child, token, logprobs)
         if len(self.running) < self.config.max_num_seqs:
             try:
                 child.slot = self.kv.alloc_slot(prompt + 1)

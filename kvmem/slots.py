@@ -184,10 +184,7 @@ class SlotCache(ABC):
             state = self._in_use(slot)
             need = self.spec.pages_for(num_tokens)
             have = len(state.pages)
-            cow = []
-            if self._num_shared and num_tokens > state.tokens and have:
-                first = state.tokens * self._token_bytes // self._page_bytes  # where the next write starts
-                cow = [i for i in range(first, min(need, have)) if self._refs.get(state.pages[i], 0) > 1]
+            cow = self._shared_in_write_range(state, need, num_tokens)
             if need > have or cow:
                 self._make_room(max(0, need - have) + len(cow), slot, num_tokens)
             for index in cow:
@@ -196,6 +193,21 @@ class SlotCache(ABC):
                 for index, page in enumerate(self._take(need - have), start=have):
                     self._link(slot, index, page)
             state.tokens = num_tokens
+
+    def would_copy(self, slot: int, num_tokens: int) -> bool:
+        """Whether ``ensure(slot, num_tokens)`` would copy a shared page (copy-on-write). Mapping ahead
+        skips such a slot: the copy would run beside the step that may still be writing the page."""
+        self._check_tokens(num_tokens, "num_tokens")
+        with self._lock:
+            state = self._in_use(slot)
+            return bool(self._shared_in_write_range(state, self.spec.pages_for(num_tokens), num_tokens))
+
+    def _shared_in_write_range(self, state: SlotState, need: int, num_tokens: int) -> list[int]:
+        """Indices of shared pages that writes from ``state.tokens`` up to ``num_tokens`` would land in."""
+        if not self._num_shared or num_tokens <= state.tokens or not state.pages:
+            return []
+        first = state.tokens * self._token_bytes // self._page_bytes  # where the next write starts
+        return [i for i in range(first, min(need, len(state.pages))) if self._refs.get(state.pages[i], 0) > 1]
 
     def share_prefix(self, src: int, dst: int, tokens: int) -> None:
         """Make ``dst`` hold the first ``tokens`` tokens of ``src`` by sharing its pages.

@@ -61,7 +61,9 @@ class WorkerReport:
 
 @dataclass(frozen=True)
 class WorkerOutput:
-    """``sampled`` is filled by the sampling worker only (last stage, TP rank 0)."""
+    """``sampled`` (seq_id -> token ids) and ``logprobs`` (for the sequences that asked) are filled by the
+    sampling worker only (last stage, TP rank 0)."""
 
-    sampled: dict[int, tuple[SampledToken, ...]]
+    sampled: dict[int, tuple[int, ...]]
     report: WorkerReport
+    logprobs: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)

@@ -107,8 +107,11 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(llm, prompt, par
 
 
 def test_request_that_can_never_fit_is_rejected():
+    # tiny, mega: 2 layers x 2 KV heads x 32 dims x 4 bytes = 512 bytes a token in each of the K and V buffers,
+    # so 8 tokens a page; 64 KiB is 8 pages of 4 KiB in both buffers.
     with LLM("tiny", kv_memory=64 << 10, max_num_seqs=4, max_model_len=2048, page_size=4096, device="cpu") as llm:
-        with pytest.raises(ValueError, match="could never run"):
+        with pytest.raises(ValueError, match="request needs 1510 tokens of KV cache in one slot, 189 pages; each "
+                                             "worker's pool holds 8 for a request: it could never run"):
             llm.add_request("x" * 10, SamplingParams(max_tokens=1500))
         assert llm.generate("ok", SamplingParams(max_tokens=2, temperature=0))[0].finished
 
@@ -153,4 +156,63 @@ def test_recovery_fails_what_ran_requeues_what_waited_and_keeps_sequence_ids_uni
         while llm.scheduler.has_work:
             done.update({o.request_id: o for o in llm.step() if o.finished})
         assert [done[i].outputs[0].token_ids for i in (*waiting, *late)] == [*want, *want]
+        assert llm.core.ledger.accounting() == llm.cache.accounting()
+
+
+def test_an_abort_ends_its_stream_finished_even_before_the_first_sample(llm):
+    params = SamplingParams(max_tokens=50, temperature=1.0, n=3, seed=1, ignore_eos=True)
+    early = llm.add_request(list(range(3, 200)), params)  # aborted while its prompt is still in prefill
+    llm.abort(early)
+    (out,) = llm.step()
+    assert (out.request_id, out.finished, [c.finish_reason for c in out.outputs]) == (early, True, ["abort"])
+    seen = []
+    for o in llm.stream(["a", "b"], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)):
+        seen.append(o)
+        if not o.finished and o.request_id == "2" and len(o.outputs[0].token_ids) == 3:
+            llm.abort(o.request_id)  # the stream ends it (it used to wait for it forever)
+    last = {o.request_id: o for o in seen}
+    assert last["2"].finished and last["2"].outputs[0].finish_reason == "abort"
+    assert len(last["2"].outputs[0].token_ids) == 3 and last["1"].outputs[0].finish_reason == "length"
+    llm.abort("2")  # finished: ignored
+    assert llm.step() == [] and llm.cache.stats().slots_in_use == 0
+
+
+class FailingFlushes:
+    """The real in-process executor, except that a message with no batch (a flush) fails as a dead worker group would."""
+
+    def __init__(self, executor):
+        self.inner = executor
+
+    def execute(self, step):
+        from cluster.errors import WorkerGroupError
+
+        if not step.seq_ids:
+            raise WorkerGroupError(f"step {step.step} failed: test")
+        return self.inner.execute(step)
+
+    def rebuild(self):
+        self.inner.rebuild()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_a_failed_flush_keeps_the_finished_outputs_and_fails_the_next_step():
+    from cluster.errors import WorkerGroupError
+
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM("tiny", kv_memory=16 << 20, max_num_seqs=4, max_model_len=256, page_size=4096, device="cpu") as llm:
+        (want,) = llm.generate("a", greedy)
+        llm.core.executor = FailingFlushes(llm.core.executor)
+        (done,) = llm.generate("a", greedy)  # the last step's flush fails after its outputs were made
+        assert done.outputs[0].token_ids == want.outputs[0].token_ids and done.error is None
+        llm.add_request("b", greedy)
+        with pytest.raises(WorkerGroupError, match=r"step \d+ failed: test"):
+            llm.step()
+        assert llm.core.recover(WorkerGroupError("test")) == []  # "b" had not started: kept
+        llm.core.executor = llm.core.executor.inner
+        finished = []
+        while llm.scheduler.has_work:
+            finished += [o for o in llm.step() if o.finished]
+        assert [o.outputs[0].finish_reason for o in finished] == ["length"]
         assert llm.core.ledger.accounting() == llm.cache.accounting()

@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 
 from cluster.config import EngineConfig, model_config, plan  # noqa: E402
 from cluster.engine import LLM  # noqa: E402
+from cluster.errors import EngineDeadError  # noqa: E402
 from tests.cluster.conftest import NEW_TOKENS  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 
@@ -177,6 +178,30 @@ def test_a_failed_worker_fails_requests_in_flight_and_the_group_is_rebuilt(fault
     assert vattn_actors() == [] and live_placement_groups() == []
 
 
+def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving():
+    """The abort's memory goes back through the dead group (or its step fails first): either way the request
+    ends, the loop rebuilds the group, and the next request succeeds."""
+    short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM("tiny", distributed="ray", pipeline_parallel_size=2, max_num_seqs=2, kv_memory=8 << 20, device="cpu",
+             max_model_len=512, page_size=4096) as llm:
+        want = llm.generate("after", short)[0].outputs[0].token_ids
+        request = llm.add_request("long", SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        while llm.snapshot().num_steps < 10:
+            time.sleep(0.02)
+        ray.kill(ray.get_actor(next(n for n in vattn_actors() if n.endswith("-pp1-tp0"))))
+        llm.abort(request)
+        final = None
+        while final is None:
+            final = next((o for o in llm._engine.poll({request}, True) if o.finished), None)
+        assert final.outputs[0].finish_reason in ("abort", "error")
+        assert llm.generate("after", short)[0].outputs[0].token_ids == want
+        assert llm.snapshot().num_rebuilds == 1
+        assert_in_step(llm)
+    with pytest.raises(EngineDeadError, match="this LLM was closed: start a new one"):
+        llm.add_request("closed", short)
+    assert vattn_actors() == [] and live_placement_groups() == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -185,6 +210,8 @@ def test_a_failed_worker_fails_requests_in_flight_and_the_group_is_rebuilt(fault
         (dict(tensor_parallel_size=2, device="cuda"), "tp=2 x pp=1 needs 2 GPUs; the Ray cluster has 0"),
         (dict(tensor_parallel_size=8, pipeline_parallel_size=2, model="llama-3-8b"),  # no weights load: refused first
          "16 CPU workers need 16 CPUs of the Ray cluster; it has 8"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an int >= 1, got 0"),
+        (dict(preemption_mode="drop"), "preemption_mode must be 'recompute' or 'swap', got 'drop'"),
     ],
 )
 def test_impossible_shapes_are_refused_before_anything_starts(kwargs, message):

@@ -14,7 +14,7 @@ from kvmem import AsyncMapper, KVCacheSpec, PagedKVCache, VirtualKVCache, paged_
 from kvmem.ledger import PageLedger
 from kvmem.ops import AllocSlot, Ensure, apply_ops
 from kvmem.swap import SwapSpace
-from worker.sampling import SampledToken, SamplingParams
+from worker.sampling import SamplingParams
 
 SPEC = KVCacheSpec(2, 2, 16, torch.float32, max_slots=4, max_tokens=256, layout="mega", page_size=4096)  # 16 tokens/page
 
@@ -28,8 +28,8 @@ def add(scheduler: Scheduler, prompt_len: int, max_tokens: int = 8, n: int = 1) 
     return seq
 
 
-def sample_all(out) -> dict[int, tuple[SampledToken, ...]]:
-    return {s.seq.seq_id: (SampledToken(7),) * s.num_samples for s in out.scheduled if s.num_samples}
+def sample_all(out) -> dict[int, tuple[int, ...]]:
+    return {s.seq.seq_id: (7,) * s.num_samples for s in out.scheduled if s.num_samples}
 
 
 def test_chunked_prefill_and_the_lookahead_plan():
@@ -64,7 +64,7 @@ def test_preemption_takes_the_latest_arrival_and_recomputes_it_later():
     assert [s.seq for s in out.scheduled] == [first, second, third]  # 2 pages each: the pool is full
     scheduler.postprocess(out, sample_all(out))
     for _ in range(2):  # tokens 31, 32 fit in the second pages
-        scheduler.postprocess(scheduler.schedule(), {s.seq_id: (SampledToken(7),) for s in (first, second, third)})
+        scheduler.postprocess(scheduler.schedule(), {s.seq_id: (7,) for s in (first, second, third)})
     out = scheduler.schedule()  # token 33 needs a third page each: the latest arrival goes
     assert out.preempted == [third] and third.status is SeqStatus.WAITING
     assert [s.seq for s in out.scheduled] == [first, second]  # third's two pages were enough for both
@@ -75,6 +75,31 @@ def test_preemption_takes_the_latest_arrival_and_recomputes_it_later():
     scheduler.finish(second, "length")
     out = scheduler.schedule()  # recompute: prompt and the three tokens it had sampled, in one chunk
     assert [(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled] == [(third, 33, 1)]
+
+
+def test_mapping_ahead_never_copies_a_shared_page():
+    """A parent whose next token lands in the page it shares with its fork is left out of the plan: the
+    copy would run on the mapper thread while this step writes that page. The next step's ensure copies."""
+    ledger = PageLedger(SPEC, 64, keeps_pages_on_free=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), ledger)
+    parent, long = add(scheduler, 20, n=2), add(scheduler, 200)
+    out = scheduler.schedule()
+    assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(parent, 20), (long, 44)]
+    scheduler.lookahead(out)
+    (child,) = [s for s in scheduler.postprocess(out, sample_all(out)) if s is not parent]
+    ledger.take_ops()
+    out = scheduler.schedule()  # the long prefill takes the budget the fork would have had
+    assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(parent, 1), (long, 63)]
+    shared = ledger.accounting().shared_pages
+    plan = scheduler.lookahead(out)
+    assert parent.slot not in plan.needs and long.slot in plan.needs
+    assert ledger.accounting().shared_pages == shared  # no page was copied ahead
+    scheduler.postprocess(out, sample_all(out))
+    ledger.take_ops()
+    out = scheduler.schedule()
+    assert Ensure(parent.slot, 22) in ledger.take_ops()  # the copy-on-write, replayed before the step's writes
+    assert ledger.accounting().shared_pages == shared - 1
+    assert child.status is SeqStatus.RUNNING
 
 
 def _worker_cache(layout: str, pages: int):

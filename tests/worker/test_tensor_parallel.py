@@ -29,9 +29,9 @@ def step_logprobs(path: str, tp: TPGroup) -> list[dict[int, float]]:
         slot = cache.alloc_slot()
         cache.ensure(slot, len(PROMPT) + 1)
         first = runner.execute(StepPlan((ScheduledChunk(1, slot, tuple(PROMPT), 0, 1, LOGPROBS, 0, 0),)))
-        token = first.sampled[1][0]
-        second = runner.execute(StepPlan((ScheduledChunk(1, slot, (token.token_id,), len(PROMPT), 1, LOGPROBS, 0, 1),)))
-        return [first.sampled[1][0].top_logprobs, second.sampled[1][0].top_logprobs]
+        (token,) = first.sampled[1]
+        second = runner.execute(StepPlan((ScheduledChunk(1, slot, (token,), len(PROMPT), 1, LOGPROBS, 0, 1),)))
+        return [first.logprobs[1][0].top_logprobs, second.logprobs[1][0].top_logprobs]
 
 
 def _rank(rank: int, size: int, init: str, path: str, out: str) -> None:
