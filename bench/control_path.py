@@ -1,9 +1,8 @@
 """Control path: one step's round trip from the scheduler to N worker actors and back, with plain Ray actor
 calls against a Ray compiled graph, carrying the engine's real messages: a decode ``StepInput`` of B
 sequences out, a ``WorkerOutput`` (the sampler's tokens, every worker's report) back. The workers do no
-model work (``--work-ms`` makes them spin as long as a step would run, as a CUDA sync spins), so the round
-trip minus that work is the transport alone. With work, the compiled graph is timed twice: its reader asleep
-until the step ends, and the engine's way (``wait_polling``: asleep, then polling for the step's last ms).
+model work (``--work-ms`` makes them sleep as long as a step would run), so the round trip minus that work
+is the transport alone.
 
     python bench/control_path.py [--workers 1 2 4] [--batch 1 64 256] [--work-ms 0 25] [--iters 300]
 """
@@ -24,7 +23,6 @@ import ray  # noqa: E402
 from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 
 import report  # noqa: E402
-from cluster.ray_executor import POLL_MARGIN_S, wait_polling  # noqa: E402
 from kvmem.ops import Ensure  # noqa: E402
 from worker.messages import StepInput, WorkerOutput, WorkerReport  # noqa: E402
 
@@ -38,9 +36,8 @@ class EchoWorker:
         self.report = WorkerReport(0, 0, 64, 1 << 30, 100, 5000, 10, 0.01, 1.0, 0, (30.0,))
 
     def step(self, msg: StepInput) -> WorkerOutput:
-        start = time.perf_counter()
-        while time.perf_counter() - start < self.work_s:
-            pass
+        if self.work_s:
+            time.sleep(self.work_s)
         sampled = {i: (7,) for i in msg.seq_ids} if self.samples else {}
         return WorkerOutput(sampled, self.report)
 
@@ -72,35 +69,23 @@ def measure(workers: int, batch: int, work_ms: float, iters: int) -> dict:
         dag = MultiOutputNode([a.step.bind(inp) for a in actors])
     graph = dag.experimental_compile()
     compiled = timed(lambda i: ray.get(graph.execute(msgs[i % 8])), iters)
-    polled = timed(lambda i: ray.get(polling(graph, graph.execute(msgs[i % 8]), work_ms)), iters) if work_ms else []
     graph.teardown()
     for a in actors:
         ray.kill(a)
     # What is left of a round trip once the workers' own time is taken off.
     return {"workers": workers, "batch": batch, "work_ms": work_ms, "message_bytes": len(pickle.dumps(msgs[0])),
-            "plain_ms": [t - work_ms for t in plain], "compiled_ms": [t - work_ms for t in compiled],
-            "compiled_polling_ms": [t - work_ms for t in polled]}
-
-
-def polling(graph, refs: list, work_ms: float) -> list:
-    wait_polling(graph, refs, work_ms / 1e3 - POLL_MARGIN_S, 60.0)
-    return refs
+            "plain_ms": [t - work_ms for t in plain], "compiled_ms": [t - work_ms for t in compiled]}
 
 
 def plot(results: list[dict], path: Path) -> None:
-    results = [r for r in results if r["work_ms"] == 0] or results  # the transport alone where it was timed
+    results = [r for r in results if r["work_ms"] == 0]
     batches = sorted({r["batch"] for r in results})
     fig, axes = plt.subplots(1, len(batches), figsize=(3.2 * len(batches), 3), sharey=True)
     for ax, batch in zip(axes if len(batches) > 1 else [axes], batches):
         rows = [r for r in results if r["batch"] == batch]
         x = range(len(rows))
-        bars = [("plain_ms", "plain actor calls"), ("compiled_ms", "compiled graph")]
-        if rows[0]["compiled_polling_ms"]:
-            bars.append(("compiled_polling_ms", "compiled graph, polling"))
-        width = 0.8 / len(bars)
-        for k, (key, label) in enumerate(bars):
-            ax.bar([i + (k - (len(bars) - 1) / 2) * width for i in x], [statistics.median(r[key]) for r in rows], width,
-                   label=label)
+        ax.bar([i - 0.2 for i in x], [statistics.median(r["plain_ms"]) for r in rows], 0.4, label="plain actor calls")
+        ax.bar([i + 0.2 for i in x], [statistics.median(r["compiled_ms"]) for r in rows], 0.4, label="compiled graph")
         ax.set_xticks(list(x), [str(r["workers"]) for r in rows])
         ax.set_xlabel(f"workers (decode batch {batch})")
     (axes[0] if len(batches) > 1 else axes).set_ylabel("step round trip, median ms")
@@ -126,11 +111,10 @@ def main() -> None:
     for r in results:
         p50p, p50c = statistics.median(r["plain_ms"]), statistics.median(r["compiled_ms"])
         p90 = lambda xs: statistics.quantiles(xs, n=10)[-1]  # noqa: E731
-        polled = r["compiled_polling_ms"]
         rows.append([r["workers"], r["batch"], r["work_ms"], r["message_bytes"], p50p, p90(r["plain_ms"]), p50c, p90(r["compiled_ms"]),
-                     statistics.median(polled) if polled else None, p90(polled) if polled else None, p50p / p50c])
+                     p50p / p50c])
     headers = ["workers", "decode batch", "worker ms (taken off)", "message bytes", "plain p50 ms", "plain p90 ms", "compiled p50 ms",
-               "compiled p90 ms", "compiled polling p50 ms", "compiled polling p90 ms", "plain / compiled"]
+               "compiled p90 ms", "plain / compiled"]
     report.write(args.name, headers, rows, {"runs": results}, args.out)
     plot(results, args.out / f"{args.name}.png")
 

@@ -108,19 +108,16 @@ def hf_peer(config: ModelConfig, prompts, output: int):
 def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
     """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
     ``...@ray`` for the Ray engine (a scheduler actor over worker actors; ``model`` a preset name), with
-    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``) and ``/nopoll`` for a scheduler
-    that sleeps through each step (``EngineConfig.poll_steps=False``); ``#k`` names a repeat."""
+    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``#k`` names a repeat."""
     spec, _, where = run.partition("#")[0].partition("@")
     layout, _, attention = spec.partition(":")
     where, *dims = where.split("/")
-    shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims if d != "nopoll"}
-    ray_options = {"poll_steps": False} if "nopoll" in dims else {}
+    shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims}
     max_len = max(map(len, prompts)) + output
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
              max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
-             distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
-             **ray_options) as llm:
+             distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"]) as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
         # mapped (deferred reclamation), in both engines alike.

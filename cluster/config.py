@@ -52,9 +52,6 @@ class EngineConfig:
     distributed: Literal["local", "ray"] = "local"
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
-    # Ray: the scheduler polls for the last milliseconds of each step instead of sleeping through them (a
-    # thread woken after a long wait starts ~1 ms late); None: on with GPU workers, whose host cores idle.
-    poll_steps: bool | None = None
 
 
 @dataclass(frozen=True)

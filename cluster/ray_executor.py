@@ -4,12 +4,11 @@ states go on to the next stage's ranks (NCCL on GPUs), and only reports and samp
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
-from ray.exceptions import GetTimeoutError, RayChannelTimeoutError
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -33,43 +32,11 @@ def _describe(exc: BaseException) -> str:
 # NVLink multicast (NVLS) breaks on the lent GPU machines; every process of the group keeps it off.
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
-#: How long before a step like the last one ends the scheduler stops sleeping and starts polling.
-POLL_MARGIN_S = 0.003
-
-
-def wait_polling(dag, refs: list, nap_s: float, timeout_s: float) -> None:
-    """Wait for ``refs`` of a compiled ``dag``: asleep for ``nap_s``, then polling until they are in.
-
-    A thread woken from a blocking wait after a long step starts late (the host's idle states: ~1 ms on the
-    H100 machine after a 25 ms step, as a plain pipe shows too), while the in-process engine's CUDA sync
-    spins. Polling for the last few milliseconds of a step gets the step's end as the worker sends it.
-    Errors are left to ``ray.get``, which raises them with the worker's own exception."""
-    index = refs[0]._execution_index  # Ray's compiled graphs buffer results read early by execution index
-    deadline = time.monotonic() + timeout_s
-    try:
-        if nap_s > 0:
-            try:
-                dag._execute_until(index, None, nap_s)
-                return
-            except RayChannelTimeoutError:
-                pass
-        while time.monotonic() < deadline:
-            try:
-                dag._execute_until(index, None, 0)
-                return
-            except RayChannelTimeoutError:
-                time.sleep(0)  # let the actor's other threads (clients adding requests) take the GIL
-    except Exception:
-        return
-
 
 class RayExecutor:
     def __init__(self, plan: EnginePlan, step_timeout_s: float = 600.0):
         self.plan = plan
         self.step_timeout_s = step_timeout_s
-        poll = plan.config.poll_steps
-        self._poll = plan.device == "cuda" if poll is None else poll
-        self._last_step_s = 0.0
         self._pg = None
         self._actors: list = []
         self._dag = None
@@ -147,14 +114,10 @@ class RayExecutor:
             refs = self._dag.execute(step)
         except Exception as exc:
             raise WorkerGroupError(f"step {step.step} could not be sent: {_describe(exc)}") from exc
-        start = time.monotonic()
-        if self._poll:
-            wait_polling(self._dag, refs, self._last_step_s - POLL_MARGIN_S, self.step_timeout_s)
         try:
             outs = ray.get(refs, timeout=self.step_timeout_s)
         except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
             raise WorkerGroupError(f"step {step.step} failed: {_describe(exc)}") from exc
-        self._last_step_s = time.monotonic() - start
         sampler = len(outs) - self.plan.config.tensor_parallel_size  # the last stage's TP rank 0
         return StepResult(outs[sampler].sampled, tuple(o.report for o in outs), outs[sampler].logprobs)
 

@@ -89,8 +89,7 @@ def test_parallel_and_seeded_sampling_equal_the_in_process_engine():
     kw = dict(kv_memory=16 << 20, **{**SMALL, "max_model_len": 256})
     with LLM("tiny", **kw) as local:
         want = local.generate(prompts, params)
-    # poll_steps: the scheduler polls for each step's end, as it does over GPU workers.
-    with LLM("tiny", distributed="ray", tensor_parallel_size=2, pipeline_parallel_size=2, poll_steps=True, **kw) as llm:
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, pipeline_parallel_size=2, **kw) as llm:
         got = llm.generate(prompts, params)
         streamed = [o for o in llm.stream(prompts[0], params[0])]
     for w, g in zip(want, got):
