@@ -270,6 +270,8 @@ class EngineCore:
             seq = r.seqs[0]
             seq.slot, seq.status = None, SeqStatus.WAITING
             self.scheduler.add(seq)
+        if not self.scheduler.has_work:
+            self._flush_or_defer()  # the new workers take the new ledger's state (the graphs' scratch slot) now
         return outputs
 
     def fail_all(self, message: str) -> list[RequestOutput]:

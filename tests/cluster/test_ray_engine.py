@@ -168,7 +168,8 @@ def test_a_failed_worker_fails_requests_in_flight_and_the_group_is_rebuilt(fault
         assert time.monotonic() - start < 60  # no rank hung in a collective until a timeout
         for i in ids[:2]:
             assert outputs[i].outputs[0].finish_reason == "error"
-            assert "the worker group failed and was rebuilt" in outputs[i].error and re.search(error, outputs[i].error)
+            assert "the worker group failed and was rebuilt" in outputs[i].error, outputs[i].error
+            assert re.search(error, outputs[i].error), outputs[i].error
         assert [outputs[i].outputs[0].token_ids for i in ids[2:]] == [w.outputs[0].token_ids for w in want]
         assert llm.generate("after", short)[0].outputs[0].finish_reason == "length"
         assert llm.snapshot().num_rebuilds == 1
