@@ -77,7 +77,7 @@ class LLM:
         self.max_model_len = engine_plan.max_model_len
         executor = LocalExecutor(engine_plan, built)
         try:
-            self._live = self.core = EngineCore(engine_plan, executor, self.tokenizer)
+            self._live = EngineCore(engine_plan, executor, self.tokenizer)
         except BaseException:
             executor.close()
             raise
@@ -89,6 +89,14 @@ class LLM:
         return self._live
 
     # -- in-process access (benchmarks, tests) -------------------------------------------------
+    @property
+    def core(self) -> EngineCore:
+        """The in-process engine core (``distributed="local"`` only)."""
+        engine = self._engine
+        if not isinstance(engine, EngineCore):
+            raise AttributeError("the engine core runs in the Ray scheduler actor: there is no in-process core")
+        return engine
+
     @property
     def cache(self):
         """The in-process worker's KV cache."""

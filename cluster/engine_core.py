@@ -121,7 +121,7 @@ class EngineCore:
         for seq in request.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "abort")
-        self._ended.append(self._output(request, final=True))
+        self._ended.append(self._output(request, ended="abort"))
         if not self.scheduler.has_work:
             self._flush_or_defer()
 
@@ -132,6 +132,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def requests(self) -> set[str]:
+        """Ids of the requests this core holds (queued, running, or swapped)."""
+        return set(self._requests)
+
     # -- the loop ------------------------------------------------------------------------------
     def step(self, finished_only: bool = False, streamed: set[str] = frozenset()) -> list[RequestOutput]:
         """One scheduling step; returns the requests that made progress (finished ones removed), or with
@@ -141,12 +146,11 @@ class EngineCore:
             error, self._deferred = self._deferred, None
             raise error
         start = time.perf_counter()
-        ended, self._ended = self._ended, []
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_work and not self.scheduler.running:
                 raise RuntimeError("no waiting request fits in the KV cache and nothing runs to free memory")
-            return ended
+            return self._take_ended()
         self.last_step = StepInfo(
             len(out.scheduled),
             sum(s.num_tokens for s in out.scheduled),
@@ -167,7 +171,12 @@ class EngineCore:
         self.telemetry.record_step(self.last_step.num_prefill_tokens, time.perf_counter() - start)
         if not self.scheduler.has_work:
             self._flush_or_defer()  # these outputs are final whatever the workers do next
-        return ended + outputs
+        return self._take_ended() + outputs
+
+    def _take_ended(self) -> list[RequestOutput]:
+        # Taken only once a step succeeded: one that raises leaves them to ``recover`` / ``fail_all``.
+        ended, self._ended = self._ended, []
+        return ended
 
     def flush(self) -> None:
         """Send the workers what the ledger recorded since the last step (the frees of the last requests to
@@ -223,7 +232,9 @@ class EngineCore:
         if reason:
             self._finish(seq, reason)
 
-    def _output(self, r: Request, error: str | None = None, final: bool = False) -> RequestOutput:
+    def _output(self, r: Request, error: str | None = None, ended: str | None = None) -> RequestOutput:
+        """``r``'s output; ``error`` or ``ended`` (a finish reason) make it final even before all n samples
+        exist -- the missing ones are empty completions with that reason, so a client finds all n."""
         completions = []
         for seq in sorted(r.seqs, key=lambda s: s.sample_index):
             text = self.tokenizer.decode(seq.output_token_ids)
@@ -232,6 +243,10 @@ class EngineCore:
                     text = text[: text.index(stop)]
             logprobs = tuple(seq.logprobs) if r.params.logprobs is not None else None
             completions.append(CompletionOutput(seq.sample_index, text, tuple(seq.output_token_ids), seq.finish_reason, logprobs))
+        reason = "error" if error is not None else ended
+        if reason is not None:
+            empty = () if r.params.logprobs is not None else None
+            completions += [CompletionOutput(k, "", (), reason, empty) for k in range(len(r.seqs), r.params.n)]
         t = r.times
         metrics = RequestMetrics(
             t.first_token - t.arrival if t.first_token else None,
@@ -239,8 +254,16 @@ class EngineCore:
             t.finished - t.arrival if t.finished else None,
             sum(s.num_preemptions for s in r.seqs),
         )
-        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, tuple(completions),
-                             r.finished or final or error is not None, metrics, error)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, tuple(completions), r.finished or reason is not None,
+                             metrics, error)
+
+    @staticmethod
+    def refused(request: PreparedRequest, error: str) -> RequestOutput:
+        """The final output of a request that was accepted but never queued (its queueing failed)."""
+        n = request.params.n
+        completions = tuple(CompletionOutput(k, "", (), "error") for k in range(n))
+        return RequestOutput(request.request_id, request.prompt, request.token_ids, completions, True,
+                             RequestMetrics(None, None, None, 0), error)
 
     # -- faults --------------------------------------------------------------------------------
     def recover(self, error: BaseException, keep_waiting: bool = True) -> list[RequestOutput]:
@@ -259,7 +282,11 @@ class EngineCore:
                     seq.status, seq.finish_reason, seq.slot = SeqStatus.FINISHED, "error", None
             outputs.append(self._output(r, message))
             del self._requests[r.request_id]
-        self.executor.rebuild()
+        try:
+            self.executor.rebuild()
+        except BaseException:
+            self._ended = outputs  # for ``fail_all``: these clients still get their output
+            raise
         self.num_rebuilds += 1
         self.telemetry.reset()
         old = self.scheduler

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cluster.engine import LLM
+from cluster.errors import EngineDeadError
 from worker.config import PRESETS
 from worker.loader import random_model
 from worker.sampling import SamplingParams
@@ -164,7 +165,8 @@ def test_an_abort_ends_its_stream_finished_even_before_the_first_sample(llm):
     early = llm.add_request(list(range(3, 200)), params)  # aborted while its prompt is still in prefill
     llm.abort(early)
     (out,) = llm.step()
-    assert (out.request_id, out.finished, [c.finish_reason for c in out.outputs]) == (early, True, ["abort"])
+    assert (out.request_id, out.finished) == (early, True)
+    assert [(c.index, c.finish_reason) for c in out.outputs] == [(0, "abort"), (1, "abort"), (2, "abort")]  # all n
     seen = []
     for o in llm.stream(["a", "b"], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)):
         seen.append(o)
@@ -178,15 +180,16 @@ def test_an_abort_ends_its_stream_finished_even_before_the_first_sample(llm):
 
 
 class FailingFlushes:
-    """The real in-process executor, except that a message with no batch (a flush) fails as a dead worker group would."""
+    """The real in-process executor, except that the messages ``fails`` picks fail as a dead worker group's would
+    (by default a message with no batch: a flush)."""
 
-    def __init__(self, executor):
-        self.inner = executor
+    def __init__(self, executor, fails=lambda step: not step.seq_ids):
+        self.inner, self.fails = executor, fails
 
     def execute(self, step):
         from cluster.errors import WorkerGroupError
 
-        if not step.seq_ids:
+        if self.fails(step):
             raise WorkerGroupError(f"step {step.step} failed: test")
         return self.inner.execute(step)
 
@@ -216,3 +219,22 @@ def test_a_failed_flush_keeps_the_finished_outputs_and_fails_the_next_step():
             finished += [o for o in llm.step() if o.finished]
         assert [o.outputs[0].finish_reason for o in finished] == ["length"]
         assert llm.core.ledger.accounting() == llm.cache.accounting()
+
+
+def test_an_abort_before_a_failed_step_still_ends_its_request():
+    from cluster.errors import WorkerGroupError
+
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM("tiny", kv_memory=16 << 20, max_num_seqs=4, max_model_len=256, page_size=4096, device="cpu") as llm:
+        a, b = llm.add_request("a", greedy), llm.add_request("b", greedy)
+        llm.step()
+        llm.abort(a)  # b still runs: no flush, the abort waits for the next step
+        llm.core.executor = FailingFlushes(llm.core.executor, fails=lambda step: True)
+        with pytest.raises(WorkerGroupError):
+            llm.step()
+        llm.core.executor = llm.core.executor.inner
+        outputs = {o.request_id: o for o in llm.core.recover(WorkerGroupError("test"))}
+        assert outputs[a].outputs[0].finish_reason == "abort" and outputs[b].outputs[0].finish_reason == "error"
+        assert llm.core.requests == set() and llm.core.ledger.accounting() == llm.cache.accounting()
+    with pytest.raises(EngineDeadError, match="this LLM was closed"):
+        llm.step()

@@ -179,25 +179,32 @@ def test_a_failed_worker_fails_requests_in_flight_and_the_group_is_rebuilt(fault
     assert vattn_actors() == [] and live_placement_groups() == []
 
 
-def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving():
-    """The abort's memory goes back through the dead group (or its step fails first): either way the request
-    ends, the loop rebuilds the group, and the next request succeeds."""
+@pytest.mark.parametrize("others", [0, 1])
+def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
+    """The abort's memory goes back through the dead group: alone, its flush fails; beside another running
+    request, the next step fails (or the abort lands after it). Either way every request ends, the loop
+    rebuilds the group, and the next request succeeds."""
     short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     with LLM("tiny", distributed="ray", pipeline_parallel_size=2, max_num_seqs=2, kv_memory=8 << 20, device="cpu",
              max_model_len=512, page_size=4096) as llm:
         want = llm.generate("after", short)[0].outputs[0].token_ids
-        request = llm.add_request("long", SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        request, *rest = [llm.add_request(p, long) for p in ("long", "other")[: 1 + others]]
         while llm.snapshot().num_steps < 10:
             time.sleep(0.02)
         ray.kill(ray.get_actor(next(n for n in vattn_actors() if n.endswith("-pp1-tp0"))))
         llm.abort(request)
-        final = None
-        while final is None:
-            final = next((o for o in llm._engine.poll({request}, True) if o.finished), None)
-        assert final.outputs[0].finish_reason in ("abort", "error")
+        finals, deadline = {}, time.monotonic() + 60
+        while len(finals) < 1 + others:
+            assert time.monotonic() < deadline, f"no final output for {({request, *rest}) - set(finals)}"
+            finals.update({o.request_id: o for o in llm._engine.poll({request, *rest} - set(finals), True) if o.finished})
+        assert finals[request].outputs[0].finish_reason in ("abort", "error")
+        assert all(finals[r].outputs[0].finish_reason == "error" for r in rest)
         assert llm.generate("after", short)[0].outputs[0].token_ids == want
         assert llm.snapshot().num_rebuilds == 1
         assert_in_step(llm)
+        (gone,) = llm._engine.poll({request}, True)  # collected already: the actor says so, once and final
+        assert gone.finished and "unknown request" in gone.error
     with pytest.raises(EngineDeadError, match="this LLM was closed: start a new one"):
         llm.add_request("closed", short)
     assert vattn_actors() == [] and live_placement_groups() == []
