@@ -118,10 +118,12 @@ class EngineCore:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
-        for seq in request.seqs:
-            if seq.status is not SeqStatus.FINISHED:
-                self._finish(seq, "abort")
-        self._ended.append(self._output(request, ended="abort"))
+        try:
+            for seq in request.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    self._finish(seq, "abort")
+        finally:  # its client hears of it even if freeing its memory failed (the next step then recovers)
+            self._ended.append(self._output(request, ended="abort"))
         if not self.scheduler.has_work:
             self._flush_or_defer()
 
@@ -261,7 +263,8 @@ class EngineCore:
     def refused(request: PreparedRequest, error: str) -> RequestOutput:
         """The final output of a request that was accepted but never queued (its queueing failed)."""
         n = request.params.n
-        completions = tuple(CompletionOutput(k, "", (), "error") for k in range(n))
+        empty = () if request.params.logprobs is not None else None
+        completions = tuple(CompletionOutput(k, "", (), "error", empty) for k in range(n))
         return RequestOutput(request.request_id, request.prompt, request.token_ids, completions, True,
                              RequestMetrics(None, None, None, 0), error)
 
@@ -271,7 +274,7 @@ class EngineCore:
         and a fresh ledger, and queue again the requests that had not started (``keep_waiting``; not when
         the step itself is in doubt). Returns the failed outputs."""
         message = f"the worker group failed and was rebuilt; this request was in flight: {error}"
-        outputs, self._ended, self._deferred = self._ended, [], None
+        outputs, self._deferred = self._ended, None  # stays in ``_ended`` until the rebuild is done, for ``fail_all``
         failed, kept = [], []  # started requests lost their K/V with the workers
         for r in self._requests.values():
             started = any(s.status is not SeqStatus.WAITING or s.num_computed or s.num_output_tokens for s in r.seqs)
@@ -282,11 +285,7 @@ class EngineCore:
                     seq.status, seq.finish_reason, seq.slot = SeqStatus.FINISHED, "error", None
             outputs.append(self._output(r, message))
             del self._requests[r.request_id]
-        try:
-            self.executor.rebuild()
-        except BaseException:
-            self._ended = outputs  # for ``fail_all``: these clients still get their output
-            raise
+        self.executor.rebuild()
         self.num_rebuilds += 1
         self.telemetry.reset()
         old = self.scheduler
@@ -297,6 +296,7 @@ class EngineCore:
             seq = r.seqs[0]
             seq.slot, seq.status = None, SeqStatus.WAITING
             self.scheduler.add(seq)
+        self._ended = []
         if not self.scheduler.has_work:
             self._flush_or_defer()  # the new workers take the new ledger's state (the graphs' scratch slot) now
         return outputs

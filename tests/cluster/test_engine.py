@@ -238,3 +238,25 @@ def test_an_abort_before_a_failed_step_still_ends_its_request():
         assert llm.core.requests == set() and llm.core.ledger.accounting() == llm.cache.accounting()
     with pytest.raises(EngineDeadError, match="this LLM was closed"):
         llm.step()
+
+
+class FailingRebuilds(FailingFlushes):
+    def rebuild(self):
+        raise RuntimeError("no GPU left: test")
+
+
+def test_a_failed_rebuild_leaves_every_request_its_final_output():
+    from cluster.errors import WorkerGroupError
+
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM("tiny", kv_memory=16 << 20, max_num_seqs=1, max_model_len=256, page_size=4096, device="cpu") as llm:
+        running, waiting = llm.add_request("a", greedy), llm.add_request("b", SamplingParams(max_tokens=4, n=2))
+        llm.step()
+        llm.core.executor = FailingRebuilds(llm.core.executor, fails=lambda step: False)
+        with pytest.raises(RuntimeError, match="no GPU left: test"):
+            llm.core.recover(WorkerGroupError("test"))
+        outputs = {o.request_id: o for o in llm.core.fail_all("the engine is dead: test")}
+        assert set(outputs) == {running, waiting} and all(o.finished and o.error for o in outputs.values())
+        assert "in flight" in outputs[running].error  # recover's own message, not lost with the rebuild
+        assert [c.finish_reason for c in outputs[waiting].outputs] == ["error", "error"]
+        llm.core.executor = llm.core.executor.inner
