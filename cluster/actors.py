@@ -14,7 +14,7 @@ import torch.distributed as dist
 from cluster.config import EngineConfig, model_config, plan
 from cluster.engine_core import EngineCore, Prompt
 from cluster.errors import EngineDeadError, WorkerGroupError
-from cluster.outputs import RequestMetrics, RequestOutput
+from cluster.outputs import RequestOutput
 from cluster.telemetry import EngineSnapshot
 from kvmem.stats import SlotAccounting
 from worker.messages import StepInput, WorkerOutput
@@ -164,9 +164,8 @@ class SchedulerActor:
         with self._cond:
             unknown = [i for i in request_ids if i not in self._outputs]
             if unknown:
-                return [RequestOutput(i, None, (), (), True, RequestMetrics(None, None, None, 0),
-                                      f"unknown request {i!r}, or its output was not collected within "
-                                      f"{UNCLAIMED_OUTPUT_S:.0f} s of its end") for i in unknown]
+                return [RequestOutput.failed(i, f"unknown request {i!r}, or its output was not collected within "
+                                                f"{UNCLAIMED_OUTPUT_S:.0f} s of its end") for i in unknown]
             while not any(self._outputs.get(i) for i in request_ids):
                 if self._error is not None and isinstance(self._error, EngineDeadError):
                     raise self._error
@@ -244,21 +243,20 @@ class SchedulerActor:
                 self._forget(request_id)
 
     def _step(self, inbox: list[tuple[str, object]]) -> list[RequestOutput]:
-        pending = list(reversed(inbox))
+        handled = 0
         try:
-            while pending:
-                kind, item = pending[-1]
+            for kind, item in inbox:
                 if kind == "add":
                     self.core.add(item)
                 else:
                     self.core.abort(item)  # its final output comes with the step's
-                pending.pop()
+                handled += 1
             return self.core.step(finished_only=True, streamed=self._streamed)
         except Exception as exc:  # the loop thread must live on: clients wait on it
             # Requests the core never queued are ended here; it ends the ones it knows.
             known = self.core.requests
             outputs = [self.core.refused(r, f"the engine failed before queueing it: {exc}")
-                       for kind, r in reversed(pending) if kind == "add" and r.request_id not in known]
+                       for kind, r in inbox[handled:] if kind == "add" and r.request_id not in known]
             try:
                 # A worker's failure spares the requests that had not started; any other error may come from
                 # one of them, so all go.

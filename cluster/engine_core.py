@@ -262,11 +262,8 @@ class EngineCore:
     @staticmethod
     def refused(request: PreparedRequest, error: str) -> RequestOutput:
         """The final output of a request that was accepted but never queued (its queueing failed)."""
-        n = request.params.n
-        empty = () if request.params.logprobs is not None else None
-        completions = tuple(CompletionOutput(k, "", (), "error", empty) for k in range(n))
-        return RequestOutput(request.request_id, request.prompt, request.token_ids, completions, True,
-                             RequestMetrics(None, None, None, 0), error)
+        p = request.params
+        return RequestOutput.failed(request.request_id, error, p.n, p.logprobs is not None, request.prompt, request.token_ids)
 
     # -- faults --------------------------------------------------------------------------------
     def recover(self, error: BaseException, keep_waiting: bool = True) -> list[RequestOutput]:

@@ -35,3 +35,10 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed (its completions end with finish_reason "error")
+
+    @classmethod
+    def failed(cls, request_id: str, error: str, n: int = 0, logprobs: bool = False, prompt: str | None = None,
+               prompt_token_ids: tuple[int, ...] = ()) -> "RequestOutput":
+        """The final output of a request that ran nothing: ``n`` empty completions ending in "error"."""
+        completions = tuple(CompletionOutput(k, "", (), "error", () if logprobs else None) for k in range(n))
+        return cls(request_id, prompt, prompt_token_ids, completions, True, RequestMetrics(None, None, None, 0), error)

@@ -175,13 +175,8 @@ class Scheduler:
             step = 1 if s.num_samples else min(len(s.seq.token_ids) - done, budget)
             budget -= step
             target = min(done + step, limit)
-            if self.kv.would_copy(s.seq.slot, target):
-                continue  # a copy-on-write waits for the next step's recorded ensure, before its writes
-            try:
-                self.kv.ensure(s.seq.slot, target, record=False)
-            except KVCacheExhausted:
-                continue
-            needs[s.seq.slot] = target
+            if self.kv.ensure_ahead(s.seq.slot, target):  # else the next step's recorded ensure does it
+                needs[s.seq.slot] = target
         return MappingPlan(needs)
 
     # -- results -------------------------------------------------------------------------------
@@ -199,10 +194,10 @@ class Scheduler:
             if not tokens:
                 continue
             seq.request.times.first_token = seq.request.times.first_token or now
-            drawn = logprobs.get(seq.seq_id) or (None,) * len(tokens)
-            self._append(seq, tokens[0], drawn[0])
+            drawn = logprobs.get(seq.seq_id)  # only for requests that asked
+            self._append(seq, tokens[0], drawn and drawn[0])
             updated.append(seq)
-            updated.extend(self._fork(seq, k, tokens[k], drawn[k]) for k in range(1, len(tokens)))
+            updated.extend(self._fork(seq, k, tokens[k], drawn and drawn[k]) for k in range(1, len(tokens)))
         return updated
 
     @staticmethod

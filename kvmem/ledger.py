@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvmem.errors import KVCacheExhausted
 from kvmem.ops import AllocSlot, Ensure, FreeSlot, KVOp, SharePrefix
 from kvmem.slots import NumberedSlotCache
 from kvmem.spec import KVCacheSpec
@@ -35,13 +36,26 @@ class PageLedger(NumberedSlotCache):
         super().free_slot(slot)
         self._ops.append(FreeSlot(slot))
 
-    def ensure(self, slot: int, num_tokens: int, record: bool = True) -> None:
-        """``SlotCache.ensure``; ``record=False`` for mapping ahead, which travels apart (a ``MappingPlan``).
-        A call that changes nothing (mapped ahead already) is not recorded."""
+    def ensure(self, slot: int, num_tokens: int) -> None:
+        """``SlotCache.ensure``. A call that changes nothing (mapped ahead already) is not recorded."""
         unchanged = self.num_tokens(slot) == num_tokens
         super().ensure(slot, num_tokens)
-        if record and not unchanged:
+        if not unchanged:
             self._ops.append(Ensure(slot, num_tokens))
+
+    def ensure_ahead(self, slot: int, num_tokens: int) -> bool:
+        """Back ``slot`` up to ``num_tokens`` for mapping ahead, unrecorded (the plan travels apart, as a
+        ``MappingPlan``); False, with nothing done, where the pool is short or a shared page would have to be
+        copied -- that copy would run on the workers' mapper threads beside the step still writing the page."""
+        self._check_tokens(num_tokens, "num_tokens")
+        with self._lock:
+            if self._shared_in_write_range(self._in_use(slot), self.spec.pages_for(num_tokens), num_tokens):
+                return False
+            try:
+                super().ensure(slot, num_tokens)
+            except KVCacheExhausted:
+                return False
+            return True
 
     def share_prefix(self, src: int, dst: int, tokens: int) -> None:
         super().share_prefix(src, dst, tokens)

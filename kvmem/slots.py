@@ -194,14 +194,6 @@ class SlotCache(ABC):
                     self._link(slot, index, page)
             state.tokens = num_tokens
 
-    def would_copy(self, slot: int, num_tokens: int) -> bool:
-        """Whether ``ensure(slot, num_tokens)`` would copy a shared page (copy-on-write). Mapping ahead
-        skips such a slot: the copy would run beside the step that may still be writing the page."""
-        self._check_tokens(num_tokens, "num_tokens")
-        with self._lock:
-            state = self._in_use(slot)
-            return bool(self._shared_in_write_range(state, self.spec.pages_for(num_tokens), num_tokens))
-
     def _shared_in_write_range(self, state: SlotState, need: int, num_tokens: int) -> list[int]:
         """Indices of shared pages that writes from ``state.tokens`` up to ``num_tokens`` would land in."""
         if not self._num_shared or num_tokens <= state.tokens or not state.pages:
