@@ -108,8 +108,11 @@ def hf_peer(config: ModelConfig, prompts, output: int):
 def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
     """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
     ``...@ray`` for the Ray engine (a scheduler actor over worker actors; ``model`` a preset name), with
-    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``#k`` names a repeat."""
-    spec, _, where = run.partition("#")[0].partition("@")
+    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``/sync`` turns async scheduling
+    off (``mega/sync``, ``mega@ray/sync``); ``#k`` names a repeat."""
+    name = run.partition("#")[0]
+    overlap = "/sync" not in name
+    spec, _, where = name.replace("/sync", "").partition("@")
     layout, _, attention = spec.partition(":")
     where, *dims = where.split("/")
     shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims}
@@ -117,7 +120,8 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
              max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
-             distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"]) as llm:
+             distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
+             async_scheduling=overlap and shape["pp"] == 1) as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
         # mapped (deferred reclamation), in both engines alike.
@@ -147,9 +151,10 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
 
 
 def in_process_peer(name: str) -> str:
-    """``mega@ray/tp2#2`` -> ``mega#2``: the in-process run of the same layout and repeat."""
+    """``mega@ray/tp2#2`` -> ``mega#2``, ``mega@ray/sync`` -> ``mega/sync``: the in-process run of the same
+    layout, scheduling and repeat."""
     base, _, repeat = name.partition("#")
-    return base.partition("@")[0] + (f"#{repeat}" if repeat else "")
+    return base.partition("@")[0] + ("/sync" if "/sync" in base else "") + (f"#{repeat}" if repeat else "")
 
 
 def plot(rows: list[list], floor: float, path: Path) -> None:

@@ -52,6 +52,7 @@ class EngineConfig:
     distributed: Literal["local", "ray"] = "local"
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class EnginePlan:
     scheduler: SchedulerConfig
     ledger_spec: KVCacheSpec
     num_pages: int
+    async_scheduling: bool = False  # schedule step k+1 while step k runs (see ``cluster.engine_core``)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -123,7 +125,15 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if config.distributed == "local" and tp * pp > 1:
         raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs distributed='ray'")
     # Checked before any worker starts (a bad value must not leave actors behind).
-    scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space)
+    max_model_len = min(config.max_model_len or model.max_context, model.max_context)
+    scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
+                                max_model_len)
+    overlap = config.async_scheduling if config.async_scheduling is not None else pp == 1
+    if not isinstance(overlap, bool):
+        raise ValueError(f"async_scheduling must be a bool or None, got {config.async_scheduling!r}")
+    if overlap and pp > 1:
+        # The first stage would need the last stage's sampled tokens before the next step could start.
+        raise ValueError(f"async_scheduling needs pipeline_parallel_size=1, got {pp}")
     if config.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
@@ -141,7 +151,6 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {IN_PLACE}, got {attention!r}")
     if graphs and tp * pp > 1:
         raise ValueError("cuda_graphs run the whole model on one worker: turn them off with tensor or pipeline parallelism")
-    max_model_len = min(config.max_model_len or model.max_context, model.max_context)
     slots = config.max_num_seqs + (1 if graphs else 0)  # CUDA graphs hold one slot as scratch for padded rows
     page = config.block_size if layout == "paged" else config.page_size  # tokens per block, or bytes per page
     # Mega pages span a stage's layers: pad every stage to the longest so that all share tokens per page.
@@ -157,9 +166,10 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     workers = tuple(
         WorkerConfig(config.model, dtype, device, specs[p], num_pages * page_bytes[p], attention, ranges[p], p, t, tp,
                      config.max_num_seqs if graphs else 0, 0 if graphs else None, config.preemption_mode == "swap",
-                     config.seed, config.progress)
+                     config.seed, config.progress, overlap)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]
-    return EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, num_pages)
+    return EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, num_pages,
+                      overlap)
 

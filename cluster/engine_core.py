@@ -3,23 +3,29 @@
 One step: schedule over the page ledger, ship one ``StepInput`` (the batch, the KV operations the ledger
 recorded, the next step's mapping plan) to the executor, append what comes back. The same core runs in
 the caller's process (``LLM``) and inside the Ray scheduler actor.
+
+With async scheduling (vLLM v1's) two steps are in flight: each call schedules and submits step k+1, then
+waits for step k, so the scheduler's work hides behind the workers' and the workers never wait for it.
+Step k+1 feeds each sequence's token from step k back as a placeholder its worker fills in. A sequence that
+step k ends (a stop token) wasted its step k+1 row; one that step k ends by length is not in step k+1.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from cluster.config import EnginePlan
-from cluster.executor import Executor
+from cluster.executor import Executor, PendingStep
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from cluster.scheduler import Scheduler, SchedulerOutput
 from cluster.sequence import Request, Sequence, SeqStatus
 from cluster.telemetry import EngineSnapshot, RequestProgress, Telemetry
-from worker.messages import NewSeq, StepInput
+from worker.messages import PLACEHOLDER, NewSeq, StepInput
 from worker.sampling import SamplingParams
 from worker.tokenizer import Tokenizer
 
@@ -34,6 +40,15 @@ class StepInfo:
     num_tokens: int
     num_prefill_tokens: int  # tokens of chunks that did not end in a sample, or that were longer than one
     num_preempted: int
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A step the workers have (or had) and whose result is not taken yet."""
+
+    out: SchedulerOutput
+    info: StepInfo
+    pending: PendingStep
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,8 @@ class EngineCore:
         self._ended: list[RequestOutput] = []  # final outputs of aborted requests, for the next step to return
         self._deferred: Exception | None = None  # a failed flush, raised by the next step
         self._messages = itertools.count()  # numbers every StepInput (steps and flushes) for error messages
+        self._in_flight: deque[InFlight] = deque()
+        self._depth = 2 if plan.async_scheduling else 1  # steps in flight at most
         self.num_steps = 0
         self.num_rebuilds = 0
         self.last_step: StepInfo | None = None
@@ -124,7 +141,7 @@ class EngineCore:
                     self._finish(seq, "abort")
         finally:  # its client hears of it even if freeing its memory failed (the next step then recovers)
             self._ended.append(self._output(request, ended="abort"))
-        if not self.scheduler.has_work:
+        if not self.has_work:
             self._flush_or_defer()
 
     def poll(self, pending: set[str], finished_only: bool) -> list[RequestOutput]:
@@ -132,7 +149,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._in_flight)
 
     @property
     def requests(self) -> set[str]:
@@ -148,21 +165,19 @@ class EngineCore:
             error, self._deferred = self._deferred, None
             raise error
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        submitted = len(self._in_flight) < self._depth and self._submit_next()
+        if not self._in_flight:
             if self.scheduler.has_work and not self.scheduler.running:
                 raise RuntimeError("no waiting request fits in the KV cache and nothing runs to free memory")
             return self._take_ended()
-        self.last_step = StepInfo(
-            len(out.scheduled),
-            sum(s.num_tokens for s in out.scheduled),
-            sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1 or not s.num_samples),
-            len(out.preempted),
-        )
-        result = self.executor.execute(self._step_input(out))
+        if submitted and len(self._in_flight) < self._depth:
+            return self._take_ended()  # the first step of a busy spell: the next call takes its result
+        step = self._in_flight.popleft()
+        result = step.pending.result()
+        self.last_step = step.info
         self.num_steps += 1
         self.telemetry.record(result.reports)
-        updated = self.scheduler.postprocess(out, result.sampled, result.logprobs)
+        updated = self.scheduler.postprocess(step.out, result.sampled, result.logprobs)
         for seq in updated:
             self._check_stop(seq)
         touched = {seq.request.request_id: seq.request for seq in updated}
@@ -170,10 +185,24 @@ class EngineCore:
         for o in outputs:
             if o.finished:
                 del self._requests[o.request_id]
-        self.telemetry.record_step(self.last_step.num_prefill_tokens, time.perf_counter() - start)
-        if not self.scheduler.has_work:
+        self.telemetry.record_step(step.info.num_prefill_tokens, time.perf_counter() - start)
+        if not self.has_work:
             self._flush_or_defer()  # these outputs are final whatever the workers do next
         return self._take_ended() + outputs
+
+    def _submit_next(self) -> bool:
+        """Schedule a step and hand it to the executor; False when nothing could be scheduled."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return False
+        info = StepInfo(
+            len(out.scheduled),
+            sum(s.num_tokens for s in out.scheduled),
+            sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1 or not s.num_samples),
+            len(out.preempted),
+        )
+        self._in_flight.append(InFlight(out, info, self.executor.submit(self._step_input(out))))
+        return True
 
     def _take_ended(self) -> list[RequestOutput]:
         # Taken only once a step succeeded: one that raises leaves them to ``recover`` / ``fail_all``.
@@ -205,10 +234,14 @@ class EngineCore:
                 new.append(NewSeq(seq.seq_id, seq.request.params, seq.request.seed, seq.sample_index))
             seq_ids.append(seq.seq_id)
             slots.append(seq.slot)
-            starts.append(seq.num_computed)
+            starts.append(s.start)
             samples.append(s.num_samples)
-            produced.append(seq.num_output_tokens)
-            tokens.extend(seq.token_ids[seq.num_computed : seq.num_computed + s.num_tokens])
+            known = seq.token_ids[s.start : s.start + s.num_tokens]
+            tokens.extend(known)
+            if len(known) < s.num_tokens:  # the token step k samples for it: its worker fills it in
+                tokens.append(PLACEHOLDER)
+            # Tokens generated before this step's sample (the pending one counted once this step is).
+            produced.append(seq.num_generated - (1 if s.num_samples else 0))
             offsets.append(len(tokens))
         forget, self._forget = tuple(self._forget), []
         return StepInput(next(self._messages), tuple(new), forget, ops, ahead, tuple(seq_ids), tuple(slots), tuple(starts),
@@ -272,6 +305,7 @@ class EngineCore:
         the step itself is in doubt). Returns the failed outputs."""
         message = f"the worker group failed and was rebuilt; this request was in flight: {error}"
         outputs, self._deferred = self._ended, None  # stays in ``_ended`` until the rebuild is done, for ``fail_all``
+        self._in_flight.clear()  # their results die with the workers
         failed, kept = [], []  # started requests lost their K/V with the workers
         for r in self._requests.values():
             started = any(s.status is not SeqStatus.WAITING or s.num_computed or s.num_output_tokens for s in r.seqs)
@@ -301,6 +335,7 @@ class EngineCore:
     def fail_all(self, message: str) -> list[RequestOutput]:
         """The engine cannot go on: end every request with ``message``."""
         outputs, self._ended = self._ended, []
+        self._in_flight.clear()
         for r in self._requests.values():
             for seq in r.seqs:
                 if seq.status is not SeqStatus.FINISHED:

@@ -1,9 +1,11 @@
-"""Executors: where the workers run. The engine hands one ``StepInput`` to ``execute`` and gets the
-sampled tokens and every worker's pool report back; it does not know whether that was a function call
-(``LocalExecutor``) or a compiled Ray graph over actors (``cluster.ray_executor.RayExecutor``)."""
+"""Executors: where the workers run. The engine submits one ``StepInput`` at a time and later takes the
+sampled tokens and every worker's pool report from the handle; it does not know whether that was a
+function call (``LocalExecutor``) or a compiled Ray graph over actors (``cluster.ray_executor.RayExecutor``).
+Steps run in the order submitted, so a second may be submitted before the first's result is taken."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,8 +23,16 @@ class StepResult:
     logprobs: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # for the sequences that asked
 
 
+class PendingStep(Protocol):
+    def result(self) -> StepResult:
+        """Wait for the step; raises what running it raised."""
+
+
 class Executor(Protocol):
-    def execute(self, step: StepInput) -> StepResult: ...
+    def submit(self, step: StepInput) -> PendingStep: ...
+
+    def execute(self, step: StepInput) -> StepResult:
+        """``submit(step).result()``."""
 
     def rebuild(self) -> None:
         """Replace the workers with fresh ones (new caches, model loaded again)."""
@@ -31,20 +41,42 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """The one worker in this process: TP = PP = 1."""
+    """The one worker in this process: TP = PP = 1. With async scheduling it steps on its own thread,
+    so that the caller schedules the next step meanwhile; else ``submit`` runs the step there and then."""
 
     def __init__(self, plan: EnginePlan, model: Transformer | None = None):
         (config,) = plan.workers
         self._config, self._model = config, model
         self.worker = Worker(config, model)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vattn-worker") if plan.async_scheduling else None
+
+    def submit(self, step: StepInput) -> Future:
+        if self._thread is not None:
+            return self._thread.submit(self._run, step)
+        done = Future()
+        try:
+            done.set_result(self._run(step))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
 
     def execute(self, step: StepInput) -> StepResult:
+        return self.submit(step).result()
+
+    def _run(self, step: StepInput) -> StepResult:
         out = self.worker.execute(step)
         return StepResult(out.sampled, (self.worker.report(),), out.logprobs)
 
+    def _drain(self) -> None:
+        if self._thread is not None:
+            self._thread.submit(int).result()  # one thread, in order: every step before it has ended
+
     def rebuild(self) -> None:
+        self._drain()
         self.worker.close()
         self.worker = Worker(self._config, self._model)
 
     def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         self.worker.close()

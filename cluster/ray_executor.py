@@ -5,6 +5,7 @@ states go on to the next stage's ranks (NCCL on GPUs), and only reports and samp
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -31,6 +32,21 @@ def _describe(exc: BaseException) -> str:
 
 # NVLink multicast (NVLS) breaks on the lent GPU machines; every process of the group keeps it off.
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+@dataclass(frozen=True)
+class RayPendingStep:
+    step: int
+    refs: list
+    timeout_s: float
+    sampler: int  # which output is the last stage's TP rank 0
+
+    def result(self) -> StepResult:
+        try:
+            outs = ray.get(self.refs, timeout=self.timeout_s)
+        except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
+            raise WorkerGroupError(f"step {self.step} failed: {_describe(exc)}") from exc
+        return StepResult(outs[self.sampler].sampled, tuple(o.report for o in outs), outs[self.sampler].logprobs)
 
 
 class RayExecutor:
@@ -109,17 +125,15 @@ class RayExecutor:
         return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
 
     # -- steps ---------------------------------------------------------------------------------
-    def execute(self, step: StepInput) -> StepResult:
+    def submit(self, step: StepInput) -> "RayPendingStep":
         try:
             refs = self._dag.execute(step)
         except Exception as exc:
             raise WorkerGroupError(f"step {step.step} could not be sent: {_describe(exc)}") from exc
-        try:
-            outs = ray.get(refs, timeout=self.step_timeout_s)
-        except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
-            raise WorkerGroupError(f"step {step.step} failed: {_describe(exc)}") from exc
-        sampler = len(outs) - self.plan.config.tensor_parallel_size  # the last stage's TP rank 0
-        return StepResult(outs[sampler].sampled, tuple(o.report for o in outs), outs[sampler].logprobs)
+        return RayPendingStep(step.step, refs, self.step_timeout_s, len(self.plan.workers) - self.plan.config.tensor_parallel_size)
+
+    def execute(self, step: StepInput) -> StepResult:
+        return self.submit(step).result()
 
     def accounting(self) -> list[SlotAccounting]:
         """Every worker's slot accounting (the workers' threads answer between steps)."""

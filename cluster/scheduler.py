@@ -6,6 +6,12 @@ gets the tokens it still lacks (one for decode, a chunk for prefill) within a to
 sequences are admitted while slots, pages and budget allow. When pages run out, the latest-arrived running
 sequences are preempted -- by recompute (drop the K/V, compute it again later) or by swap (copy it to host
 memory and back).
+
+A step's progress counts when it is scheduled, so the next step can be scheduled while this one runs
+(async scheduling): a sequence whose token is still being sampled is ``pending``; the next step feeds that
+token back as a placeholder its worker fills in, and a sequence whose pending token is its last by length
+is left out. ``postprocess`` then drops a token sampled for a sequence that ended meanwhile (a stop token
+found one step late, an abort).
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space_bytes: int = 4 << 30
+    max_model_len: int | None = None  # None: as long as the ledger's slots
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
+            if name == "max_model_len" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
@@ -43,7 +52,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens computed this step, from seq.num_computed
+    start: int  # the first position computed this step
+    num_tokens: int  # tokens computed this step
     num_samples: int  # tokens drawn at the end of the chunk (0 mid-prompt; n for a request's first token)
 
 
@@ -60,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped_bytes: dict[int, int] = {}  # seq_id -> bytes its host copy holds (on the tightest worker)
+        self.max_model_len = config.max_model_len or kv.spec.max_tokens
         self.num_preemptions = 0
         self._next_seq_id = 0
 
@@ -86,20 +97,35 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            i += 1
+            if self.ends_in_flight(seq):
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._back(seq, seq.num_computed + n, out):
                 break  # seq itself was preempted: it was the last running one
-            out.scheduled.append(ScheduledSeq(seq, n, self._samples(seq, n)))
+            self._take(seq, n, out)
             budget -= n
-            i += 1
         if not out.preempted:
             budget = self._admit(budget, out)
         return out
 
+    def ends_in_flight(self, seq: Sequence) -> bool:
+        """``seq``'s token being sampled is its last by length: it needs no further step."""
+        return bool(seq.pending) and (seq.num_generated >= seq.request.params.max_tokens
+                                      or seq.num_tokens >= self.max_model_len)
+
+    def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Put ``n`` tokens of ``seq`` in this step and count them computed."""
+        samples = self._samples(seq, n)
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, samples))
+        seq.num_computed += n
+        if samples:
+            seq.pending += 1
+
     def _samples(self, seq: Sequence, n: int) -> int:
-        if seq.num_computed + n < len(seq.token_ids):
+        if seq.num_computed + n < seq.num_tokens:
             return 0
-        first_of_request = len(seq.request.seqs) == 1 and not seq.num_output_tokens
+        first_of_request = len(seq.request.seqs) == 1 and not seq.num_generated
         return seq.request.params.n if first_of_request else 1
 
     def _back(self, seq: Sequence, tokens: int, out: SchedulerOutput) -> bool:
@@ -119,10 +145,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             try:
-                slot = self.kv.alloc_slot(len(seq.token_ids))
+                slot = self.kv.alloc_slot(seq.num_tokens)
             except KVCacheError:
                 break
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             try:
                 self.kv.ensure(slot, seq.num_computed + n)
             except KVCacheExhausted:
@@ -135,7 +161,7 @@ class Scheduler:
             seq.slot, seq.status = slot, SeqStatus.RUNNING
             seq.request.times.scheduled = seq.request.times.scheduled or time.monotonic()
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, self._samples(seq, n)))
+            self._take(seq, n, out)
             budget -= n
         return budget
 
@@ -163,7 +189,8 @@ class Scheduler:
         token for each sequence that samples now, the next chunk for each still in prefill. The ledger
         backs each at once; what it cannot back is left out (best effort: the next ``schedule`` preempts),
         so the plan every worker gets is one that fits every worker's pool. A slot whose next pages are
-        shared is left out too: its copy-on-write must not race this step's writes.
+        shared is left out too: its copy-on-write must not race this step's writes; so is a sequence this
+        step ends by length.
 
         (Mapping free slots eagerly for the next admissions was measured too -- H100, 128 requests: no gain
         in wall time, +30% mapped memory from over-mapping -- and left out.)"""
@@ -171,8 +198,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         needs = {}
         for s in out.scheduled:
-            done = s.seq.num_computed + s.num_tokens
-            step = 1 if s.num_samples else min(len(s.seq.token_ids) - done, budget)
+            if self.ends_in_flight(s.seq):
+                continue
+            done = s.start + s.num_tokens
+            step = 1 if s.num_samples else min(s.seq.num_tokens - done, budget)
             budget -= step
             target = min(done + step, limit)
             if self.kv.ensure_ahead(s.seq.slot, target):  # else the next step's recorded ensure does it
@@ -182,16 +211,19 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, tuple[int, ...]],
                     logprobs: dict[int, tuple[SampledToken, ...]] | None = None) -> list[Sequence]:
-        """Advance computed counts and append sampled token ids (with their ``logprobs`` for the sequences
-        that asked); returns the sequences that got a token (forks of n > 1 requests included)."""
+        """Append the token ids ``out`` sampled (with their ``logprobs`` for the sequences that asked);
+        returns the sequences that got a token (forks of n > 1 requests included). A sequence that ended
+        since ``out`` was scheduled gets none."""
         logprobs = logprobs or {}
         updated = []
         now = time.monotonic()
         for s in out.scheduled:
             seq = s.seq
-            seq.num_computed += s.num_tokens
+            if not s.num_samples:
+                continue
+            seq.pending -= 1
             tokens = sampled.get(seq.seq_id, ())
-            if not tokens:
+            if not tokens or seq.status is SeqStatus.FINISHED:
                 continue
             seq.request.times.first_token = seq.request.times.first_token or now
             drawn = logprobs.get(seq.seq_id)  # only for requests that asked
@@ -207,12 +239,13 @@ class Scheduler:
             seq.logprobs.append(logprobs)
 
     def _fork(self, parent: Sequence, index: int, token: int, logprobs: SampledToken | None) -> Sequence:
-        """Parallel sample ``index`` of ``parent``'s request: shares the prompt's pages when a slot is free."""
+        """Parallel sample ``index`` of ``parent``'s request: shares the prompt's pages when a slot is free
+        (and the parent still has its own: one preempted while its first token was sampled has none)."""
         prompt = parent.num_prompt_tokens
         child = Sequence(self.new_seq_id(), parent.request, index, list(parent.request.prompt_token_ids))
         parent.request.seqs.append(child)
         self._append(child, token, logprobs)
-        if len(self.running) < self.config.max_num_seqs:
+        if parent.slot is not None and len(self.running) < self.config.max_num_seqs:
             try:
                 child.slot = self.kv.alloc_slot(prompt + 1)
             except KVCacheError:

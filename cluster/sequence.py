@@ -43,8 +43,10 @@ class Request:
 
 @dataclass(eq=False)
 class Sequence:
-    """One output stream of a request. ``num_computed`` tokens of ``token_ids`` have K/V in the cache;
-    recompute after preemption just sets it back to 0 (vLLM v1's catch-up model)."""
+    """One output stream of a request. ``num_computed`` tokens of ``token_ids`` have K/V in the cache
+    once the steps scheduled so far have run (it advances when a step is scheduled); recompute after
+    preemption just sets it back to 0 (vLLM v1's catch-up model). ``pending`` tokens are being sampled
+    by steps in flight: the sequence is ``num_tokens`` long though ``token_ids`` does not hold them yet."""
 
     seq_id: int
     request: Request
@@ -56,6 +58,16 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[SampledToken] = field(default_factory=list)
     num_preemptions: int = 0
+    pending: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.pending
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens, those being sampled included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

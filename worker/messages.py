@@ -13,6 +13,11 @@ from kvmem.ops import KVOp
 from worker.sampling import SampledToken, SamplingParams
 
 
+#: A token id the scheduler does not know yet: the one its worker sampled for that sequence in the step
+#: before (async scheduling sends step k+1 before step k's tokens came back). Only ever a chunk's last.
+PLACEHOLDER = -1
+
+
 @dataclass(frozen=True, slots=True)
 class NewSeq:
     """Sampling state of a sequence, sent with the first step that schedules it."""

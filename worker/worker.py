@@ -17,7 +17,7 @@ from kvmem.ops import apply_ops
 from kvmem.swap import SwapSpace
 from worker.attention import get_backend
 from worker.loader import build_model
-from worker.messages import NewSeq, StepInput, WorkerReport
+from worker.messages import PLACEHOLDER, NewSeq, StepInput, WorkerReport
 from worker.model import Transformer
 from worker.parallel import TPGroup
 from worker.runner import ModelRunner, ScheduledChunk, StepOutput, StepPlan
@@ -46,6 +46,9 @@ class WorkerConfig:
     swap: bool = False
     seed: int = 0
     progress: bool = False
+    # Async scheduling: a step's input may end a sequence's chunk with ``PLACEHOLDER``, the token this worker
+    # sampled for it last (the scheduler has not seen it yet); so every TP rank samples.
+    fills_placeholders: bool = False
 
 
 class Worker:
@@ -60,13 +63,14 @@ class Worker:
         self.cache = self._make_cache()
         try:
             self.runner = ModelRunner(self.model, self.cache, backend, self.device, config.graph_batch,
-                                      config.scratch_slot, samples=config.tp_rank == 0)
+                                      config.scratch_slot, samples=config.tp_rank == 0 or config.fills_placeholders)
             self.swap = SwapSpace(self.cache) if config.swap else None
             self.mapper = AsyncMapper(self.cache)
         except BaseException:
             self.cache.close()  # a failed constructor leaves no reservation behind
             raise
         self._seqs: dict[int, NewSeq] = {}
+        self._last: dict[int, int] = {}  # seq_id -> the token last sampled for it (fills placeholders)
         self._reported_maps = 0
         self._busy = 0.0
 
@@ -91,6 +95,7 @@ class Worker:
                 self._seqs[seq.seq_id] = seq
             for seq_id in step.finished_seqs:
                 self._seqs.pop(seq_id, None)
+                self._last.pop(seq_id, None)
             apply_ops(self.cache, step.kv_ops, self.swap)
             plan = StepPlan(self._chunks(step))
         except Exception as exc:  # e.g. KVCacheExhausted: this cache and the ledger disagree
@@ -106,7 +111,10 @@ class Worker:
             return StepOutput({})
         ahead = self.mapper.submit(MappingPlan(step.ahead))
         try:
-            return self.runner.execute(plan, inputs)
+            out = self.runner.execute(plan, inputs)
+            if self.config.fills_placeholders:
+                self._last.update((seq_id, drawn[0]) for seq_id, drawn in out.sampled.items())
+            return out
         finally:
             # The scheduler sent only a plan that fits this pool: an error here means the ledger and this
             # cache disagree, which the caller must treat as fatal for the worker group.
@@ -117,6 +125,10 @@ class Worker:
         for i, seq_id in enumerate(step.seq_ids):
             seq = self._seqs[seq_id]
             tokens = step.token_ids[step.offsets[i] : step.offsets[i + 1]]
+            if tokens[-1] == PLACEHOLDER:
+                if seq_id not in self._last:
+                    raise ValueError(f"step {step.step}: seq {seq_id} ends in a placeholder, but no token was sampled for it")
+                tokens = tokens[:-1] + (self._last[seq_id],)
             chunks.append(ScheduledChunk(seq_id, step.slots[i], tokens, step.starts[i], step.num_samples[i],
                                          seq.params, seq.seed, step.output_index[i], seq.sample_index))
         return tuple(chunks)

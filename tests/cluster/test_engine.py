@@ -186,12 +186,15 @@ class FailingFlushes:
     def __init__(self, executor, fails=lambda step: not step.seq_ids):
         self.inner, self.fails = executor, fails
 
-    def execute(self, step):
+    def submit(self, step):
         from cluster.errors import WorkerGroupError
 
         if self.fails(step):
             raise WorkerGroupError(f"step {step.step} failed: test")
-        return self.inner.execute(step)
+        return self.inner.submit(step)
+
+    def execute(self, step):
+        return self.submit(step).result()
 
     def rebuild(self):
         self.inner.rebuild()
@@ -260,3 +263,81 @@ def test_a_failed_rebuild_leaves_every_request_its_final_output():
         assert "in flight" in outputs[running].error  # recover's own message, not lost with the rebuild
         assert [c.finish_reason for c in outputs[waiting].outputs] == ["error", "error"]
         llm.core.executor = llm.core.executor.inner
+
+
+class CountsInFlight:
+    """The real in-process executor; counts the steps submitted whose result was not taken yet."""
+
+    def __init__(self, executor):
+        self.inner, self.in_flight, self.most = executor, 0, 0
+
+    def submit(self, step):
+        pending = self.inner.submit(step)
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        counter = self
+
+        class Counted:
+            def result(self):
+                counter.in_flight -= 1
+                return pending.result()
+
+        return Counted()
+
+    def execute(self, step):
+        return self.submit(step).result()
+
+    def rebuild(self):
+        self.inner.rebuild()
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_scheduling_gives_the_sync_engines_outputs(mode):
+    """Two steps in flight, tokens fed back as placeholders, stops found a step late, preemption of sequences
+    in flight, n > 1 forks from a parent still in flight: the same outputs as one step at a time."""
+    prompts = ["abc", "hello there", list(range(5, 60)), "the quick brown fox", list(range(90, 100)), "zz"]
+    tiny = dict(kv_memory=12 * 8192, max_num_seqs=6, max_model_len=128, page_size=4096, device="cpu",
+                max_num_batched_tokens=24, preemption_mode=mode, swap_space=1 << 20)  # 12 pages: preempts
+
+    def params(stop_id: int | None) -> list[SamplingParams]:
+        stops = [stop_id] if stop_id is not None else []
+        return [
+            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=stops),
+            SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=5, ignore_eos=True, stop_token_ids=stops),
+            SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=9, ignore_eos=True, logprobs=2),
+            SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, stop=["e"]),
+            SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=20, temperature=0.7, n=2, seed=1),
+        ]
+
+    def run_all(overlap: bool, stop_id: int | None):
+        with LLM("tiny", async_scheduling=overlap, **tiny) as llm:
+            llm.core.executor = counting = CountsInFlight(llm.core.executor)
+            outputs = llm.generate(prompts, params(stop_id))
+            llm.core.executor = counting.inner
+            assert llm.core.ledger.accounting() == llm.cache.accounting()
+            assert (llm.cache.stats().slots_in_use, llm.cache.stats().used_bytes) == (0, 0)
+            assert llm.scheduler.num_preemptions > 0 and counting.in_flight == 0
+            assert counting.most == (2 if overlap else 1)
+            return [[(c.token_ids, c.finish_reason, c.text, c.logprobs) for c in o.outputs] for o in outputs]
+
+    plain = run_all(False, None)
+    stop_id = plain[0][0][0][5]  # greedy request 0 stops at its 6th token (or earlier), sample streams maybe too
+    sync = run_all(False, stop_id)
+    assert sync[0][0][1] == "stop" and len(sync[0][0][0]) <= 6
+    assert run_all(True, stop_id) == sync
+
+
+def test_a_placeholder_for_a_sequence_never_sampled_is_refused(llm):
+    from worker.messages import PLACEHOLDER, NewSeq, StepInput
+
+    executor = llm.core.executor
+    slot = llm.core.ledger.alloc_slot(4)
+    llm.core.ledger.ensure(slot, 4)
+    step = StepInput(10**6, (NewSeq(999, SamplingParams(), 0, 0),), (), llm.core.ledger.take_ops(), {}, (999,), (slot,),
+                     (0,), (1,), (0,), (5, 6, 7, PLACEHOLDER), (0, 4))
+    with pytest.raises(ValueError, match="step 1000000: seq 999 ends in a placeholder, but no token was sampled for it"):
+        executor.execute(step)

@@ -220,6 +220,8 @@ def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
          "16 CPU workers need 16 CPUs of the Ray cluster; it has 8"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an int >= 1, got 0"),
         (dict(preemption_mode="drop"), "preemption_mode must be 'recompute' or 'swap', got 'drop'"),
+        (dict(pipeline_parallel_size=2, async_scheduling=True), "async_scheduling needs pipeline_parallel_size=1, got 2"),
+        (dict(async_scheduling="yes"), "async_scheduling must be a bool or None, got 'yes'"),
     ],
 )
 def test_impossible_shapes_are_refused_before_anything_starts(kwargs, message):

@@ -77,6 +77,32 @@ def test_preemption_takes_the_latest_arrival_and_recomputes_it_later():
     assert [(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled] == [(third, 33, 1)]
 
 
+def test_a_step_scheduled_while_the_last_one_runs():
+    """Async scheduling: step 2 is scheduled before step 1's tokens are back. A sequence whose step-1 token
+    is its last is left out; the others feed that token back as a placeholder; a parent preempted while its
+    n = 2 first tokens were being drawn still gets them, and its fork waits for a slot of its own."""
+    ledger = PageLedger(SPEC, 4, keeps_pages_on_free=True)  # 4 pages of 16 tokens
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256), ledger)
+    a, short, parent = add(scheduler, 32), add(scheduler, 8, max_tokens=1), add(scheduler, 16, n=2)
+    first = scheduler.schedule()
+    assert [(s.seq, s.start, s.num_tokens, s.num_samples) for s in first.scheduled] == [(a, 0, 32, 1), (short, 0, 8, 1),
+                                                                                        (parent, 0, 16, 2)]
+    assert (a.num_computed, a.pending, a.num_tokens, parent.num_generated) == (32, 1, 33, 1)
+    second = scheduler.schedule()  # a's token 33 needs a page: the latest arrival, in flight, goes
+    assert [(s.seq, s.start, s.num_tokens, s.num_samples) for s in second.scheduled] == [(a, 32, 1, 1)]
+    assert second.preempted == [parent] and (parent.num_computed, parent.slot) == (0, None)
+    assert short.status is SeqStatus.RUNNING and not scheduler.ends_in_flight(a) and scheduler.ends_in_flight(short)
+    updated = scheduler.postprocess(first, {a.seq_id: (7,), short.seq_id: (6,), parent.seq_id: (8, 9)})
+    child = next(s for s in updated if s.request is parent.request and s is not parent)
+    assert (parent.token_ids[-1], child.token_ids[-1], child.slot, child.status) == (8, 9, None, SeqStatus.WAITING)
+    assert list(scheduler.waiting) == [child, parent] and (a.pending, parent.pending) == (1, 0)
+    scheduler.finish(short, "length")
+    scheduler.finish(a, "stop")  # a stop token found in step 1's tokens: step 2's token for it is dropped
+    assert scheduler.postprocess(second, {a.seq_id: (5,)}) == [] and a.token_ids[-1] == 7
+    out = scheduler.schedule()
+    assert [(s.seq, s.start, s.num_tokens) for s in out.scheduled][0] == (child, 0, 17)  # computes the prompt anew
+
+
 def test_mapping_ahead_never_copies_a_shared_page():
     """A parent whose next token lands in the page it shares with its fork is left out of the plan: the
     copy would run on the mapper thread while this step writes that page. The next step's ensure copies."""
