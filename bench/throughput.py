@@ -108,11 +108,11 @@ def hf_peer(config: ModelConfig, prompts, output: int):
 def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
     """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
     ``...@ray`` for the Ray engine (a scheduler actor over worker actors; ``model`` a preset name), with
-    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``/sync`` turns async scheduling
-    off (``mega/sync``, ``mega@ray/sync``); ``#k`` names a repeat."""
+    ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``/sync`` and ``/async``
+    turn async scheduling off or on (default: the engine's, on for Ray); ``#k`` names a repeat."""
     name = run.partition("#")[0]
-    overlap = "/sync" not in name
-    spec, _, where = name.replace("/sync", "").partition("@")
+    overlap = False if "/sync" in name else True if "/async" in name else None
+    spec, _, where = name.replace("/sync", "").replace("/async", "").partition("@")
     layout, _, attention = spec.partition(":")
     where, *dims = where.split("/")
     shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims}
@@ -121,7 +121,7 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
              max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
              distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
-             async_scheduling=overlap and shape["pp"] == 1) as llm:
+             async_scheduling=overlap) as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
         # mapped (deferred reclamation), in both engines alike.
@@ -154,7 +154,8 @@ def in_process_peer(name: str) -> str:
     """``mega@ray/tp2#2`` -> ``mega#2``, ``mega@ray/sync`` -> ``mega/sync``: the in-process run of the same
     layout, scheduling and repeat."""
     base, _, repeat = name.partition("#")
-    return base.partition("@")[0] + ("/sync" if "/sync" in base else "") + (f"#{repeat}" if repeat else "")
+    mode = next((m for m in ("/sync", "/async") if m in base), "")
+    return base.partition("@")[0] + mode + (f"#{repeat}" if repeat else "")
 
 
 def plot(rows: list[list], floor: float, path: Path) -> None:
