@@ -179,18 +179,13 @@ def test_an_abort_ends_its_stream_finished_even_before_the_first_sample(llm):
     assert llm.step() == [] and llm.cache.stats().slots_in_use == 0
 
 
-class FailingFlushes:
-    """The real in-process executor, except that the messages ``fails`` picks fail as a dead worker group's would
-    (by default a message with no batch: a flush)."""
+class Around:
+    """The real in-process executor; subclasses wrap its ``submit``."""
 
-    def __init__(self, executor, fails=lambda step: not step.seq_ids):
-        self.inner, self.fails = executor, fails
+    def __init__(self, executor):
+        self.inner = executor
 
     def submit(self, step):
-        from cluster.errors import WorkerGroupError
-
-        if self.fails(step):
-            raise WorkerGroupError(f"step {step.step} failed: test")
         return self.inner.submit(step)
 
     def execute(self, step):
@@ -201,6 +196,21 @@ class FailingFlushes:
 
     def close(self):
         self.inner.close()
+
+
+class FailingFlushes(Around):
+    """The messages ``fails`` picks fail as a dead worker group's would (by default a message with no batch: a flush)."""
+
+    def __init__(self, executor, fails=lambda step: not step.seq_ids):
+        super().__init__(executor)
+        self.fails = fails
+
+    def submit(self, step):
+        from cluster.errors import WorkerGroupError
+
+        if self.fails(step):
+            raise WorkerGroupError(f"step {step.step} failed: test")
+        return self.inner.submit(step)
 
 
 def test_a_failed_flush_keeps_the_finished_outputs_and_fails_the_next_step():
@@ -265,11 +275,12 @@ def test_a_failed_rebuild_leaves_every_request_its_final_output():
         llm.core.executor = llm.core.executor.inner
 
 
-class CountsInFlight:
-    """The real in-process executor; counts the steps submitted whose result was not taken yet."""
+class CountsInFlight(Around):
+    """Counts the steps submitted whose result was not taken yet."""
 
     def __init__(self, executor):
-        self.inner, self.in_flight, self.most = executor, 0, 0
+        super().__init__(executor)
+        self.in_flight = self.most = 0
 
     def submit(self, step):
         pending = self.inner.submit(step)
@@ -283,15 +294,6 @@ class CountsInFlight:
                 return pending.result()
 
         return Counted()
-
-    def execute(self, step):
-        return self.submit(step).result()
-
-    def rebuild(self):
-        self.inner.rebuild()
-
-    def close(self):
-        self.inner.close()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
