@@ -115,6 +115,7 @@ class SchedulerActor:
         self._outputs: dict[str, list[RequestOutput]] = {}
         self._streamed: set[str] = set()
         self._unclaimed: dict[str, float] = {}  # finished request -> when its final output was buffered
+        self._rebuilding = False
         try:
             engine_plan = plan(config, model_config(config.model), config.device)
             tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
@@ -137,13 +138,19 @@ class SchedulerActor:
         return self.core.max_model_len, tuple(self.core.tokenizer.eos_token_ids)
 
     # -- clients -------------------------------------------------------------------------------
-    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]:
-        """Validate all (a ``ValueError`` queues none), queue them for the loop; their ids."""
+    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False,
+                     request_ids: list[str] | None = None) -> list[str]:
+        """Validate all (a ``ValueError`` queues none), queue them for the loop; their ids (``request_ids``: the
+        caller's, which must not be in use -- so it can wait for outputs before it knows they were queued)."""
         self._check_alive()
-        prepared = [self.core.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = request_ids or [None] * len(prompts)
+        prepared = [self.core.prepare(p, sp, i) for p, sp, i in zip(prompts, params, ids, strict=True)]
         with self._cond:
             if self._closed:
                 raise EngineDeadError("the engine is shutting down: no new requests")
+            taken = [r.request_id for r in prepared if r.request_id in self._outputs]
+            if taken or len({r.request_id for r in prepared}) < len(prepared):
+                raise ValueError(f"request ids in use or repeated: {taken or ids}")
             for r in prepared:
                 self._outputs[r.request_id] = []
                 if stream:
@@ -157,11 +164,16 @@ class SchedulerActor:
             self._inbox.append(("abort", request_id))
             self._cond.notify_all()
 
-    def wait_outputs(self, request_ids: list[str], timeout: float = 1.0) -> list[RequestOutput]:
-        """Outputs of ``request_ids`` since the last call, waiting up to ``timeout`` s for the first. An id
-        this actor does not know (never added, or its output expired uncollected) gets a final error output."""
+    def wait_outputs(self, request_ids: list[str] | None, timeout: float = 1.0) -> list[RequestOutput]:
+        """Outputs of ``request_ids`` (None: of every request) since the last call, waiting up to ``timeout`` s
+        for the first. An id this actor does not know (never added, or its output expired uncollected) gets a
+        final error output."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            if request_ids is None:
+                while not any(self._outputs.values()) and self._error is None and time.monotonic() < deadline:
+                    self._cond.wait(deadline - time.monotonic())
+                request_ids = list(self._outputs)
             unknown = [i for i in request_ids if i not in self._outputs]
             if unknown:
                 return [RequestOutput.failed(i, f"unknown request {i!r}, or its output was not collected within "
@@ -186,6 +198,12 @@ class SchedulerActor:
         del self._outputs[request_id]
         self._streamed.discard(request_id)
         self._unclaimed.pop(request_id, None)
+
+    def health(self) -> str:
+        """"ok", "rebuilding" (the worker group failed and is being replaced) or "dead" (the engine cannot serve)."""
+        if self._error is not None or self._closed:
+            return "dead"
+        return "rebuilding" if self._rebuilding else "ok"
 
     def snapshot(self) -> EngineSnapshot:
         with self._core_lock:
@@ -257,6 +275,7 @@ class SchedulerActor:
             known = self.core.requests
             outputs = [self.core.refused(r, f"the engine failed before queueing it: {exc}")
                        for kind, r in inbox[handled:] if kind == "add" and r.request_id not in known]
+            self._rebuilding = True
             try:
                 # A worker's failure spares the requests that had not started; any other error may come from
                 # one of them, so all go.
@@ -264,4 +283,6 @@ class SchedulerActor:
             except Exception as fatal:
                 self._error = EngineDeadError(f"the engine failed ({exc}) and could not be rebuilt: {fatal}")
                 return outputs + self.core.fail_all(str(self._error))
+            finally:
+                self._rebuilding = False
 

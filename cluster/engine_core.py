@@ -87,9 +87,10 @@ class EngineCore:
         self._forget: list[int] = []  # announced sequences that finished since the last step
 
     # -- requests ------------------------------------------------------------------------------
-    def prepare(self, prompt: Prompt, params: SamplingParams | None) -> PreparedRequest:
+    def prepare(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> PreparedRequest:
         """Validate and tokenize; bad input raises ``ValueError`` naming the field. Touches no state but
-        the id counter, so a caller may run it beside the step loop."""
+        the id counter, so a caller may run it beside the step loop. ``request_id``: the caller's own (it
+        keeps it unique), else the next number."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -111,7 +112,7 @@ class EngineCore:
                 f"each worker's pool holds {pages} for a request: it could never run"
             )
         text = prompt if isinstance(prompt, str) else None
-        return PreparedRequest(str(next(self._ids)), text, tuple(ids), params)
+        return PreparedRequest(request_id if request_id is not None else str(next(self._ids)), text, tuple(ids), params)
 
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]:
         """Validate every prompt, then queue them all (none is queued if one is bad); their ids. (``stream``

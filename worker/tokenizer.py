@@ -9,6 +9,7 @@ from typing import Protocol
 
 class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -21,6 +22,7 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255, then BOS 256 and EOS 257 (the random-weight presets' vocabulary)."""
 
     eos_token_ids = (257,)
+    has_chat_template = True  # a toy one: "<role>content" lines
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -33,7 +35,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """``tokenizer.json`` through the ``tokenizers`` library, chat template from ``tokenizer_config.json``."""
+    """``tokenizer.json`` through the ``tokenizers`` library; the chat template from ``chat_template.jinja``
+    (where current transformers saves it) or else ``tokenizer_config.json``."""
 
     def __init__(self, path: Path, eos_token_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer as RustTokenizer
@@ -44,7 +47,11 @@ class HFTokenizer:
         self._tok = RustTokenizer.from_file(str(file))
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        self._template = config.get("chat_template")
+        template_file = path / "chat_template.jinja"
+        self._template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if isinstance(self._template, list):  # several named templates: the default one
+            self._template = next((t["template"] for t in self._template if t.get("name") == "default"), None)
+        self.has_chat_template = bool(self._template)
         self._specials = {k: config.get(k) for k in ("bos_token", "eos_token")}
         self.eos_token_ids = eos_token_ids
 
@@ -56,12 +63,28 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self._template:
-            raise ValueError("this model's tokenizer_config.json has no chat_template")
-        import jinja2
+            raise ValueError("this model has no chat template (neither chat_template.jinja nor a chat_template in "
+                             "tokenizer_config.json): send completions instead")
+        import datetime
 
-        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(self._template)
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise ValueError(f"the chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+        try:
+            template = env.from_string(self._template)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"this model's chat template does not parse: {exc}") from None
         specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._specials.items()}
-        return template.render(messages=messages, add_generation_prompt=True, **specials)
+        try:
+            return template.render(messages=messages, add_generation_prompt=True, **specials)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template failed on these messages: {exc}") from None
 
 
 def load_tokenizer(model: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

@@ -62,3 +62,15 @@ def test_hf_tokenizer_and_chat_template(tmp_path):
     assert loaded.decode([3, 4]) == "hello world"
     assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi</s>[assistant]"
     assert isinstance(load_tokenizer("tiny"), ByteTokenizer)
+    # Current transformers saves the template as chat_template.jinja; it wins over tokenizer_config.json's.
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    bare = load_tokenizer(str(tmp_path))
+    assert not bare.has_chat_template
+    with pytest.raises(ValueError, match="this model has no chat template \\(neither chat_template.jinja nor"):
+        bare.apply_chat_template([{"role": "user", "content": "hi"}])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ raise_exception('no system') }}"}))
+    with pytest.raises(ValueError, match="the chat template refused the messages: no system"):
+        load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "system", "content": "hi"}])
