@@ -1,0 +1,180 @@
+"""The HTTP API on a real Ray Serve app on loopback, called with the official ``openai`` client (and raw
+``httpx`` for what a client library would never send): outputs equal the engine's, errors are OpenAI's."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from cluster.config import EngineConfig
+from cluster.engine import LLM
+from server.api import ServerSettings
+from server.app import AppConfig, build_app
+from worker.sampling import SamplingParams
+
+KEY = "test-key"
+ENGINE = dict(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256, page_size=4096, max_num_seqs=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    settings = ServerSettings(api_key=KEY, max_body_bytes=1 << 20, max_n=4)
+    serve.run(build_app(AppConfig(EngineConfig(distributed="ray", **ENGINE), settings=settings)), route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def local():
+    with LLM(**ENGINE) as llm:  # the same preset weights (seed 0), in this process
+        yield llm
+
+
+def engine_snapshot():
+    return serve.get_deployment_handle("VattnEngine", app_name="default").snapshot.remote().result()
+
+
+def test_greedy_completion_and_chat_equal_the_engine(client, local):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = local.generate("The capital of France", greedy)[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt="The capital of France", max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len("The capital of France"), 12)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    templated = local.tokenizer.apply_chat_template(messages)
+    want = local.generate(templated, greedy)[0].outputs[0]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == want.text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(templated)
+
+
+def test_streams_add_up_to_the_whole_and_report_usage(client):
+    args = dict(model="tiny", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt="stream me", **args).choices[0].text
+    chunks = list(client.completions.create(prompt="stream me", stream=True, stream_options={"include_usage": True}, **args))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    messages = [{"role": "user", "content": "stream me"}]
+    whole = client.chat.completions.create(messages=messages, **args).choices[0].message.content
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **args))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_parallel_seeded_samples_logprobs_and_stops(client):
+    args = dict(model="tiny", prompt="abc", max_tokens=10, temperature=1.0, seed=11, n=3, extra_body={"ignore_eos": True})
+    first, again = client.completions.create(**args), client.completions.create(**args)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    assert len({c.text for c in first.choices}) > 1  # n streams, not one copied
+    other = client.completions.create(**{**args, "seed": 12})
+    assert [c.text for c in other.choices] != [c.text for c in first.choices]
+    batch = client.completions.create(model="tiny", prompt=["abc", "xyz"], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3] and batch.choices[0].text == batch.choices[1].text
+
+    lp = client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0, logprobs=3,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+    full = client.completions.create(model="tiny", prompt="abc", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    needle = next(ch for ch in full if ch.isprintable() and not ch.isspace() and ch != "\ufffd")
+    cut = client.completions.create(model="tiny", prompt="abc", max_tokens=30, temperature=0, stop=[needle],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(needle)]
+    streamed = client.completions.create(model="tiny", prompt="abc", max_tokens=30, temperature=0, stop=[needle],
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == cut.text  # no piece of the stop string leaks
+
+
+BAD = [
+    ({"model": "tiny", "prompt": "a", "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 1"),
+    ({"model": "tiny", "prompt": "a", "max_tokens": "many"}, 400, "max_tokens: Input should be a valid integer"),
+    ({"model": "tiny", "prompt": "a", "temperature": 3}, 400, "temperature: Input should be less than or equal to 2"),
+    ({"model": "tiny", "prompt": "a", "n": 5}, 400, "n=5 is over this server's limit of 4"),
+    ({"model": "tiny", "prompt": "a", "max_tokens": 10**9}, 400, "max_tokens=1000000000 is over this server's limit of 256"),
+    ({"model": "tiny", "prompt": ""}, 400, "prompt must not be empty"),
+    ({"model": "tiny", "prompt": "x" * 300}, 400, "prompt has 300 tokens; the maximum context is 256"),
+    ({"model": "tiny", "prompt": [10**6]}, 400, r"prompt token ids must be ints in \[0, 512\)"),
+    ({"model": "tiny"}, 400, "prompt: Field required"),
+    ({"model": "gpt-4", "prompt": "a"}, 404, "model 'gpt-4' does not exist; this server serves 'tiny'"),
+    ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty: Input should be less than"),
+    ({"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), BAD)
+def test_bad_completion_requests_get_their_4xx_and_message(url, body, status, message):
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    import re
+
+    assert re.search(message, error["message"]), error["message"]
+
+
+def test_transport_level_errors(url):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", content=b"x" * (10 << 20), headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["message"] == f"request body over {1 << 20} bytes"
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "a"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "a"}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": []}, headers=auth)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.get(f"{url}/v1/nothing", headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}  # no key needed
+    assert httpx.get(f"{url}/version").json()["version"]
+    models = httpx.get(f"{url}/v1/models", headers=auth).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_request(url):
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+    steps = engine_snapshot().num_steps
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"]
+    deadline = time.monotonic() + 20
+    while (snap := engine_snapshot()).requests and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert snap.requests == () and snap.num_running == 0
+    assert snap.num_steps - steps < 120  # aborted: it never ran its 240 steps
+    assert all(w.slots_in_use == 0 for w in snap.workers)
