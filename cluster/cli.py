@@ -1,13 +1,16 @@
 """The ``vattn`` command line.
 
     vattn generate --model tiny --prompt "Hello" [--prompt ...] [--max-tokens 32] [--temperature 0]
+    vattn serve --model DIR [--port 8000] [--tp 2] [--api-key KEY]   # the OpenAI-compatible API on Ray Serve
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from cluster.config import DTYPES, STRATEGIES
 from cluster.errors import PlacementError
@@ -41,36 +44,58 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--kv-layout", choices=LAYOUTS, default="mega")
-    gen.add_argument("--attention", choices=BACKENDS)
-    gen.add_argument("--kv-memory", type=_size, default=1 << 30, help="physical KV pool, e.g. 512MiB or 20GiB")
-    gen.add_argument("--max-num-seqs", type=int, default=64)
-    gen.add_argument("--max-model-len", type=int)
-    gen.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
-    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per stage (Ray)")
-    gen.add_argument("--pp", type=int, default=1, help="pipeline stages (Ray)")
+    _engine_options(gen)
     gen.add_argument("--distributed", choices=["local", "ray"],
                      help="default: ray when --tp or --pp > 1 (joins RAY_ADDRESS, else starts a local Ray)")
-    gen.add_argument("--placement-strategy", choices=STRATEGIES, default="STRICT_PACK")
-    gen.add_argument("--device")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray Serve")
+    srv.add_argument("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}) or HF model directory")
+    srv.add_argument("--served-model-name", help="the name clients use (default: the model directory's name)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("VATTN_API_KEY"),
+                     help="required as 'Authorization: Bearer KEY' on /v1/* (default: $VATTN_API_KEY; unset: open)")
+    srv.add_argument("--num-replicas", type=int, default=1, help="engine replicas (data parallel)")
+    srv.add_argument("--max-body", type=_size, default=4 << 20, help="largest request body")
+    srv.add_argument("--max-n", type=int, default=16)
+    srv.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: the context)")
+    srv.add_argument("--max-pending", type=int, default=1024, help="requests held at once; more get 429")
+    _engine_options(srv)
     return parser
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-layout", choices=LAYOUTS, default="mega")
+    parser.add_argument("--attention", choices=BACKENDS)
+    parser.add_argument("--kv-memory", type=_size, default=1 << 30, help="physical KV pool per worker, e.g. 512MiB or 20GiB")
+    parser.add_argument("--page-size", type=_size, default=2 << 20, help="KV page of the virtual layouts")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per stage (Ray)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (Ray)")
+    parser.add_argument("--placement-strategy", choices=STRATEGIES, default="STRICT_PACK")
+    parser.add_argument("--device")
+
+
+def _engine_config(args: argparse.Namespace) -> dict:
+    return dict(kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory, page_size=args.page_size,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+                tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, n=args.n, stop=args.stop, ignore_eos=args.ignore_eos,
         )
-        llm = LLM(
-            args.model, kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory,
-            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-            progress=True, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-            distributed=args.distributed or ("ray" if args.tp * args.pp > 1 else "local"),
-            placement_strategy=args.placement_strategy,
-        )
+        llm = LLM(args.model, progress=True, distributed=args.distributed or ("ray" if args.tp * args.pp > 1 else "local"),
+                  **_engine_config(args))
     except (ValueError, FileNotFoundError, ImportError, PlacementError) as exc:  # ImportError: an attention backend's package
         print(f"vattn: error: {exc}", file=sys.stderr)
         return 2
@@ -91,6 +116,49 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for c in out.outputs:
             print(f"--- {out.prompt!r} [{c.index}] ({c.finish_reason}, {len(c.token_ids)} tokens)\n{c.text}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.config import EngineConfig, model_config, plan
+    from server.api import ServerSettings
+    from server.app import AppConfig, build_app
+
+    engine = EngineConfig(model=args.model, distributed="ray", progress=True, **_engine_config(args))
+    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body, max_n=args.max_n,
+                              max_tokens=args.max_tokens_limit, max_pending=args.max_pending)
+    try:
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        plan(engine, model_config(args.model), device)  # bad options fail here, before Ray starts
+        app = build_app(AppConfig(engine, args.served_model_name, settings, args.num_replicas))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"vattn: error: {exc}", file=sys.stderr)
+        return 2
+    if not os.environ.get("RAY_ADDRESS"):
+        ray.init(num_cpus=max(os.cpu_count() or 1, args.tp * args.pp + 2), include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    try:
+        serve.run(app, route_prefix="/")
+    except Exception as exc:
+        print(f"vattn: error: the app did not start: {exc}", file=sys.stderr)
+        serve.shutdown()
+        return 1
+    name = AppConfig(engine, args.served_model_name).served_name
+    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+    print(f"\nvattn serves {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it). Try:\n"
+          f"  curl http://{args.host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+          f"""-d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'\n""",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The ``vattn generate`` command, run in-process."""
+"""The ``vattn generate`` and ``vattn serve`` commands, run in-process."""
 
 from __future__ import annotations
 
@@ -38,3 +38,16 @@ def test_generate_on_ray_with_tp_and_pp_prints_the_in_process_tokens(capsys):
     local = capsys.readouterr().out
     assert main([*args, "--tp", "2", "--pp", "2"]) == 0  # starts a local Ray, stops it after
     assert json.loads(capsys.readouterr().out) == json.loads(local)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tp", "3"], "tensor_parallel_size=3 does not divide the model's num_heads=4"),
+    (["--num-replicas", "0"], "num_replicas must be an int >= 1, got 0"),
+    (["--model", "/nowhere"], "model '/nowhere' is neither a preset"),
+])
+def test_serve_refuses_bad_options_before_ray_starts(capsys, argv, message):
+    import ray
+
+    assert main(["serve", "--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not ray.is_initialized()
