@@ -104,7 +104,8 @@ class SchedulerActor:
     """Owns the engine core (scheduler, page ledger, requests, telemetry) and runs its step loop on a
     thread; clients add requests and wait for outputs through the methods below (a threaded actor)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, placement=None):
+        """``placement``: a ``cluster.ray_executor.Placement`` for the workers (else they get their own group)."""
         from cluster.ray_executor import RayExecutor
 
         self._error: BaseException | None = None
@@ -119,7 +120,7 @@ class SchedulerActor:
         try:
             engine_plan = plan(config, model_config(config.model), config.device)
             tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
-            executor = RayExecutor(engine_plan)
+            executor = RayExecutor(engine_plan, placement=placement)
             try:
                 self.core = EngineCore(engine_plan, executor, tokenizer)
             except BaseException:

@@ -7,10 +7,12 @@ import os
 from dataclasses import replace
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import SchedulerActor
 from cluster.config import EngineConfig, model_config, plan
 from cluster.outputs import RequestOutput
+from cluster.ray_executor import Placement
 from cluster.telemetry import EngineSnapshot
 from kvmem.stats import SlotAccounting
 from worker.sampling import SamplingParams
@@ -26,7 +28,9 @@ def _get(ref, timeout: float | None = None):
 
 
 class RayEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, placement: Placement | None = None):
+        """``placement``: bundles for the scheduler actor (the first) and the workers (the rest), e.g. a Serve
+        replica's own placement group; else the workers get a group of their own."""
         self._started_ray = False
         if not ray.is_initialized():
             workers = config.tensor_parallel_size * config.pipeline_parallel_size
@@ -36,13 +40,13 @@ class RayEngine:
                 ray.init(num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False)
                 self._started_ray = True
         try:
-            self._start(config)
+            self._start(config, placement)
         except BaseException:
             if self._started_ray:
                 ray.shutdown()
             raise
 
-    def _start(self, config: EngineConfig) -> None:
+    def _start(self, config: EngineConfig, placement: Placement | None) -> None:
         n = config.tensor_parallel_size * config.pipeline_parallel_size
         gpus = int(ray.cluster_resources().get("GPU", 0))
         device = config.device or ("cuda" if gpus else "cpu")
@@ -55,7 +59,11 @@ class RayEngine:
             raise ValueError(f"{n} CPU workers need {n} CPUs of the Ray cluster; it has {cpus}")
         self.tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
         self.max_model_len = engine_plan.max_model_len
-        self.actor = SchedulerActor.options(max_concurrency=32).remote(replace(config, device=device))
+        options = {}
+        if placement is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement.group, placement.first_bundle)
+            placement = replace(placement, first_bundle=placement.first_bundle + 1)
+        self.actor = SchedulerActor.options(max_concurrency=32, **options).remote(replace(config, device=device), placement)
         try:
             _get(self.actor.ready.remote())
         except BaseException:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import GetTimeoutError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import WorkerActor
@@ -49,10 +49,20 @@ class RayPendingStep:
         return StepResult(outs[self.sampler].sampled, tuple(o.report for o in outs), outs[self.sampler].logprobs)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A placement group someone else owns (a Serve replica's): worker i takes bundle ``first_bundle + i``."""
+
+    group: PlacementGroup
+    first_bundle: int = 0
+
+
 class RayExecutor:
-    def __init__(self, plan: EnginePlan, step_timeout_s: float = 600.0):
+    def __init__(self, plan: EnginePlan, step_timeout_s: float = 600.0, placement: Placement | None = None):
+        """``placement``: put the workers in those bundles; else they get a placement group of their own."""
         self.plan = plan
         self.step_timeout_s = step_timeout_s
+        self._placement = placement
         self._pg = None
         self._actors: list = []
         self._dag = None
@@ -74,6 +84,13 @@ class RayExecutor:
     def _place(self) -> None:
         c = self.plan.config
         n, bundle = len(self.plan.workers), self._bundle()
+        if self._placement is not None:
+            have = len(self._placement.group.bundle_specs) - self._placement.first_bundle
+            if have < n:
+                raise PlacementError(f"{n} workers need {n} bundles of the given placement group after bundle "
+                                     f"{self._placement.first_bundle}; it has {have}")
+            self._pg = self._placement.group
+            return
         self._pg = placement_group([bundle] * n, strategy=c.placement_strategy, name=f"vattn-workers-{id(self):x}")
         try:
             ray.get(self._pg.ready(), timeout=c.placement_timeout_s)
@@ -89,7 +106,8 @@ class RayExecutor:
         env = {"env_vars": CUDA_ENV} if gpu else {}
         group = uuid.uuid4().hex[:8]
         for i, config in enumerate(self.plan.workers):
-            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
+            first = self._placement.first_bundle if self._placement is not None else 0
+            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=first + i)
             self._actors.append(WorkerActor.options(
                 name=f"vattn-worker-{group}-pp{config.pp_rank}-tp{config.tp_rank}",
                 num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=strategy, runtime_env=env,
@@ -162,5 +180,6 @@ class RayExecutor:
                 ray.kill(a)
             self._actors = []
         if self._pg is not None:
-            remove_placement_group(self._pg)
+            if self._placement is None:  # a group it was given stays its owner's
+                remove_placement_group(self._pg)
             self._pg = None

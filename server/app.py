@@ -3,9 +3,10 @@ replica of which owns a scheduler actor and its worker actors (``num_replicas`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -42,9 +43,17 @@ class OpenAIIngress:
 
 
 def build_app(config: AppConfig) -> Application:
+    """Each engine replica declares its workers as placement-group bundles (one CPU for the replica and its
+    scheduler actor, then a GPU and a CPU per worker, or a CPU on CPU), so Serve starts a replica only where
+    they all fit. ``engine.device`` None: CUDA when the Ray cluster has GPUs."""
     if not isinstance(config.num_replicas, int) or config.num_replicas < 1:
         raise ValueError(f"num_replicas must be an int >= 1, got {config.num_replicas!r}")
+    e = config.engine
+    device = e.device or ("cuda" if ray.is_initialized() and ray.cluster_resources().get("GPU") else "cpu")
+    worker = {"GPU": 1.0, "CPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+    bundles = [{"CPU": 1.0}] + [worker] * (e.tensor_parallel_size * e.pipeline_parallel_size)
     engine = serve.deployment(EngineServer, name="VattnEngine", num_replicas=config.num_replicas,
-                              ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+                              ray_actor_options={"num_cpus": 1}, placement_group_bundles=bundles,
+                              placement_group_strategy=e.placement_strategy, max_ongoing_requests=100_000)
     ingress = serve.deployment(OpenAIIngress, name="VattnIngress", max_ongoing_requests=100_000)
-    return ingress.bind(engine.bind(config.engine, config.served_name), config.settings)
+    return ingress.bind(engine.bind(replace(e, device=device), config.served_name), config.settings)

@@ -12,10 +12,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import ray
+
 from cluster.config import EngineConfig
 from cluster.errors import EngineDeadError
 from cluster.outputs import RequestOutput
 from cluster.ray_engine import RayEngine
+from cluster.ray_executor import Placement
 from cluster.telemetry import EngineSnapshot
 from worker.sampling import SamplingParams
 
@@ -40,7 +43,10 @@ class EngineServer:
     """The engine deployment's replica (``server.app`` wraps it in ``serve.deployment``)."""
 
     def __init__(self, config: EngineConfig, model_name: str):
-        self.engine = RayEngine(config)  # inside Serve, Ray is up: this joins it
+        # The replica's placement group (Serve made it from ``placement_group_bundles``): bundle 0 holds this replica
+        # and its scheduler actor, the rest its workers -- so Serve places a replica only where its GPUs are free.
+        group = ray.util.get_current_placement_group()
+        self.engine = RayEngine(config, Placement(group) if group is not None else None)
         self.info = ModelInfo(model_name, self.engine.max_model_len, self.engine.tokenizer.has_chat_template)
         self._queues: dict[str, asyncio.Queue] = {}
         self._collector: asyncio.Task | None = None

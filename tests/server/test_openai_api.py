@@ -178,3 +178,11 @@ def test_a_client_that_goes_away_mid_stream_frees_its_request(url):
     assert snap.requests == () and snap.num_running == 0
     assert snap.num_steps - steps < 120  # aborted: it never ran its 240 steps
     assert all(w.slots_in_use == 0 for w in snap.workers)
+
+
+def test_the_workers_live_in_the_engine_replicas_placement_group(url):
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    (replica,) = groups  # Serve's group for the engine replica; the workers made none of their own
+    assert [b for b in replica["bundles"].values()] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("vattn-worker-")]
+    assert len(workers) == 1  # ... and it is up: the requests above ran on it
