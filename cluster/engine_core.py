@@ -142,6 +142,7 @@ class EngineCore:
                     self._finish(seq, "abort")
         finally:  # its client hears of it even if freeing its memory failed (the next step then recovers)
             self._ended.append(self._output(request, ended="abort"))
+            self.telemetry.record_finished(request, "abort")
         if not self.has_work:
             self._flush_or_defer()
 
@@ -179,13 +180,14 @@ class EngineCore:
         self.num_steps += 1
         self.telemetry.record(result.reports)
         updated = self.scheduler.postprocess(step.out, result.sampled, result.logprobs)
+        self.telemetry.record_tokens(updated, step.info.num_tokens)
         for seq in updated:
             self._check_stop(seq)
         touched = {seq.request.request_id: seq.request for seq in updated}
         outputs = [self._output(r) for r in touched.values() if r.finished or not finished_only or r.request_id in streamed]
         for o in outputs:
             if o.finished:
-                del self._requests[o.request_id]
+                self.telemetry.record_finished(self._requests.pop(o.request_id), o.outputs[0].finish_reason)
         self.telemetry.record_step(step.info.num_prefill_tokens, time.perf_counter() - start)
         if not self.has_work:
             self._flush_or_defer()  # these outputs are final whatever the workers do next
@@ -316,7 +318,7 @@ class EngineCore:
                 if seq.status is not SeqStatus.FINISHED:
                     seq.status, seq.finish_reason, seq.slot = SeqStatus.FINISHED, "error", None
             outputs.append(self._output(r, message))
-            del self._requests[r.request_id]
+            self.telemetry.record_finished(self._requests.pop(r.request_id), "error")
         self.executor.rebuild()
         self.num_rebuilds += 1
         self.telemetry.reset()
@@ -342,6 +344,7 @@ class EngineCore:
                 if seq.status is not SeqStatus.FINISHED:
                     seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
             outputs.append(self._output(r, message))
+            self.telemetry.record_finished(r, "error")
         self._requests.clear()
         return outputs
 
@@ -360,7 +363,10 @@ class EngineCore:
         t = self.telemetry
         return EngineSnapshot(t.workers(self.ledger), tuple(requests), len(s.running), len(s.waiting) - swapped, swapped,
                               s.num_preemptions, self.num_steps, self.num_rebuilds, t.step_seconds, t.num_decode_steps,
-                              t.decode_step_seconds, t.decode_busy_seconds)
+                              t.decode_step_seconds, t.decode_busy_seconds,
+                              self.ledger.pages_in_use() / self.plan.num_pages if self.plan.num_pages else 0.0,
+                              t.prompt_tokens, t.generation_tokens, dict(t.finished),
+                              {name: h.copy() for name, h in t.histograms.items()})
 
     def close(self) -> None:
         self.executor.close()

@@ -28,9 +28,10 @@ def _get(ref, timeout: float | None = None):
 
 
 class RayEngine:
-    def __init__(self, config: EngineConfig, placement: Placement | None = None):
+    def __init__(self, config: EngineConfig, placement: Placement | None = None, name: str | None = None):
         """``placement``: bundles for the scheduler actor (the first) and the workers (the rest), e.g. a Serve
-        replica's own placement group; else the workers get a group of their own."""
+        replica's own placement group; else the workers get a group of their own. ``name``: the scheduler
+        actor's, for others to find it (the metrics endpoint)."""
         self._started_ray = False
         if not ray.is_initialized():
             workers = config.tensor_parallel_size * config.pipeline_parallel_size
@@ -40,13 +41,13 @@ class RayEngine:
                 ray.init(num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False)
                 self._started_ray = True
         try:
-            self._start(config, placement)
+            self._start(config, placement, name)
         except BaseException:
             if self._started_ray:
                 ray.shutdown()
             raise
 
-    def _start(self, config: EngineConfig, placement: Placement | None) -> None:
+    def _start(self, config: EngineConfig, placement: Placement | None, name: str | None) -> None:
         n = config.tensor_parallel_size * config.pipeline_parallel_size
         gpus = int(ray.cluster_resources().get("GPU", 0))
         device = config.device or ("cuda" if gpus else "cpu")
@@ -59,7 +60,7 @@ class RayEngine:
             raise ValueError(f"{n} CPU workers need {n} CPUs of the Ray cluster; it has {cpus}")
         self.tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
         self.max_model_len = engine_plan.max_model_len
-        options = {}
+        options = {"name": name} if name else {}
         if placement is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement.group, placement.first_bundle)
             placement = replace(placement, first_bundle=placement.first_bundle + 1)

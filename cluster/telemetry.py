@@ -1,14 +1,50 @@
-"""KV memory and request telemetry the scheduler keeps: the latest pool report of every worker, recent
-map latencies, and a snapshot dataclass for exporters (Prometheus, dashboards)."""
+"""KV memory and request telemetry the scheduler keeps: the latest pool report of every worker, map
+latencies, request and token counters, latency histograms, and a snapshot dataclass for exporters
+(Prometheus, dashboards). Counters and histograms only grow, across worker rebuilds too."""
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import bisect
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
 
 from cluster.config import EnginePlan
 from kvmem.ledger import PageLedger
 from worker.messages import WorkerReport
+
+
+@dataclass
+class Histogram:
+    """Observations counted into buckets by upper bound (Prometheus's ``le``; one more bucket for +Inf)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def copy(self) -> "Histogram":
+        return Histogram(self.bounds, list(self.counts), self.total)
+
+
+# vLLM v1's buckets, so that its dashboards' quantiles read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                   960.0, 1920.0, 7680.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+MAP_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)  # seconds per page mapped
 
 
 @dataclass(frozen=True)
@@ -32,6 +68,7 @@ class WorkerMemory:
     busy_seconds: float  # time the worker spent executing steps
     swap_bytes: int
     map_latency_us: tuple[float, ...]  # recent samples
+    map_latency: Histogram  # every sample, in seconds
 
     @property
     def fragmentation(self) -> float:
@@ -65,6 +102,11 @@ class EngineSnapshot:
     num_decode_steps: int  # steps without prefill tokens
     decode_step_seconds: float
     decode_busy_seconds: float  # of that, time the first worker spent executing
+    kv_usage: float = 0.0  # pages the scheduler's ledger holds for requests / all (the tightest worker)
+    prompt_tokens: int = 0  # counted when a request's first token is sampled
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # requests ended, by finish reason
+    histograms: dict[str, Histogram] = field(default_factory=dict)  # by vLLM's metric name, without its prefix
 
 
 class Telemetry:
@@ -80,6 +122,41 @@ class Telemetry:
         self.decode_step_seconds = 0.0
         self.decode_busy_seconds = 0.0  # of that, the first worker's execution
         self._busy = 0.0
+        self.map_latency = {(w.pp_rank, w.tp_rank): Histogram(MAP_BUCKETS) for w in plan.workers}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()
+        self.histograms = {
+            "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
+            "inter_token_latency_seconds": Histogram(ITL_BUCKETS),
+            "e2e_request_latency_seconds": Histogram(REQUEST_BUCKETS),
+            "request_queue_time_seconds": Histogram(REQUEST_BUCKETS),
+            "iteration_tokens_total": Histogram(ITERATION_BUCKETS),
+        }
+        self._last_token: dict[int, float] = {}  # seq_id -> when its last token came
+
+    def record_tokens(self, seqs, num_tokens: int) -> None:
+        """A step's sampled tokens (the sequences that got one) and its size in tokens."""
+        now = time.monotonic()
+        h = self.histograms
+        h["iteration_tokens_total"].observe(num_tokens)
+        self.generation_tokens += len(seqs)
+        for seq in seqs:
+            last = self._last_token.get(seq.seq_id)
+            if last is not None:
+                h["inter_token_latency_seconds"].observe(now - last)
+            self._last_token[seq.seq_id] = now
+            times = seq.request.times
+            if seq.sample_index == 0 and seq.num_output_tokens == 1:  # the request's first token
+                self.prompt_tokens += len(seq.request.prompt_token_ids)
+                h["time_to_first_token_seconds"].observe(now - times.arrival)
+                h["request_queue_time_seconds"].observe((times.scheduled or now) - times.arrival)
+
+    def record_finished(self, request, reason: str) -> None:
+        self.finished[reason] += 1
+        self.histograms["e2e_request_latency_seconds"].observe(time.monotonic() - request.times.arrival)
+        for seq in request.seqs:
+            self._last_token.pop(seq.seq_id, None)
 
     def record_step(self, prefill_tokens: int, seconds: float) -> None:
         """After ``record`` of the step's reports: its wall time, split out for decode-only steps."""
@@ -97,6 +174,8 @@ class Telemetry:
             key = (r.pp_rank, r.tp_rank)
             self.reports[key] = r
             self.latency[key].extend(r.map_latency_us)
+            for us in r.map_latency_us:
+                self.map_latency[key].observe(us * 1e-6)
             self.peak_mapped[key] = max(self.peak_mapped[key], r.mapped_bytes)
 
     def reset(self) -> None:
@@ -119,5 +198,6 @@ class Telemetry:
                 r.mapped_bytes if r else 0, self.peak_mapped[key], used, r.free_pages if r else self.plan.num_pages, self.plan.num_pages,
                 r.slots_in_use if r else 0, r.maps if r else 0, r.unmaps if r else 0, r.stall_seconds if r else 0.0,
                 r.busy_seconds if r else 0.0, r.swap_bytes if r else 0, tuple(self.latency[key]),
+                self.map_latency[key].copy(),
             ))
         return tuple(out)

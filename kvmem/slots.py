@@ -323,6 +323,11 @@ class SlotCache(ABC):
         with self._lock:
             return self._free_pages()
 
+    def pages_in_use(self) -> int:
+        """Distinct pages that slots in use hold (not those free slots keep for reuse). Walks the slots."""
+        with self._lock:
+            return len({p for s in self._slots if s.in_use for p in s.pages})
+
     def slots_in_use(self) -> int:
         with self._lock:
             return sum(s.in_use for s in self._slots)

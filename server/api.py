@@ -8,21 +8,24 @@ ingress holds as many requests as it may, 503 while the engine is down or rebuil
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.errors import EngineDeadError
 from cluster.outputs import RequestOutput
 from server import protocol as p
-from server.engine import Progress
+from server.engine import SCHEDULER_PREFIX, Progress
+from server.metrics import CONTENT_TYPE, render
 from server.text import TextStream, chat_logprobs, completion_logprobs
 from worker.sampling import SamplingParams
 
@@ -195,6 +198,20 @@ def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: 
         if state != "ok":
             raise APIError(503, f"the engine is {state}", "service_unavailable")
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        snapshots = {}
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if not actor["name"].startswith(SCHEDULER_PREFIX):
+                continue
+            try:
+                scheduler = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                snapshot = await asyncio.wait_for(scheduler.snapshot.remote(), timeout=5)
+            except Exception:  # a replica going away or rebuilding: its series return with it
+                continue
+            snapshots[model_name, actor["name"].removeprefix(SCHEDULER_PREFIX)] = snapshot
+        return Response(render(snapshots), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def get_version():

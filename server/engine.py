@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
+from ray import serve
 
 from cluster.config import EngineConfig
 from cluster.errors import EngineDeadError
@@ -21,6 +22,10 @@ from cluster.ray_engine import RayEngine
 from cluster.ray_executor import Placement
 from cluster.telemetry import EngineSnapshot
 from worker.sampling import SamplingParams
+
+
+#: Scheduler actors of engine replicas are named this and the replica's id (the metrics endpoint finds them).
+SCHEDULER_PREFIX = "vattn-scheduler-"
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,8 @@ class EngineServer:
         # The replica's placement group (Serve made it from ``placement_group_bundles``): bundle 0 holds this replica
         # and its scheduler actor, the rest its workers -- so Serve places a replica only where its GPUs are free.
         group = ray.util.get_current_placement_group()
-        self.engine = RayEngine(config, Placement(group) if group is not None else None)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.engine = RayEngine(config, Placement(group) if group is not None else None, SCHEDULER_PREFIX + replica)
         self.info = ModelInfo(model_name, self.engine.max_model_len, self.engine.tokenizer.has_chat_template)
         self._queues: dict[str, asyncio.Queue] = {}
         self._collector: asyncio.Task | None = None
