@@ -99,7 +99,7 @@ def _engine_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "service_unavailable")
-    raise exc
+    return APIError(503, f"the engine failed: {type(exc).__name__}: {exc}", "service_unavailable")
 
 
 def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: int) -> FastAPI:

@@ -8,6 +8,7 @@ request's queue; a request whose caller goes away (a client that disconnected) i
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -94,12 +95,16 @@ class EngineServer:
 
     def _collect(self) -> None:
         if self._collector is None or self._collector.done():
-            self._collector = asyncio.get_running_loop().create_task(self._collect_outputs())
+            # In a context of its own: Ray cancels the calls a request made when the request is cancelled (a
+            # client gone), and this task's calls serve every request.
+            self._collector = asyncio.get_running_loop().create_task(self._collect_outputs(), context=contextvars.Context())
 
     async def _collect_outputs(self) -> None:
         while self._queues:
             try:
                 outputs = await self.engine.actor.wait_outputs.remote(None, 1.0)
+            except ray.exceptions.TaskCancelledError:
+                continue  # not the engine's failure: ask again
             except Exception as exc:  # the engine is dead: every waiting request hears why
                 error = exc.cause if isinstance(getattr(exc, "cause", None), EngineDeadError) else exc
                 for queue in set(self._queues.values()):

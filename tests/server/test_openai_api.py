@@ -186,3 +186,45 @@ def test_the_workers_live_in_the_engine_replicas_placement_group(url):
     assert [b for b in replica["bundles"].values()] == [{"CPU": 1.0}, {"CPU": 1.0}]
     workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("vattn-worker-")]
     assert len(workers) == 1  # ... and it is up: the requests above ran on it
+
+
+def test_a_worker_killed_under_streaming_load(url, client):
+    """The streams in flight end with an error event, /health says 503 while the workers are rebuilt and 200
+    after, nothing hangs, and the next request is served."""
+    import threading
+
+    results: dict[int, tuple[str, str]] = {}
+    streaming = threading.Event()
+
+    def stream(k: int) -> None:
+        text = ""
+        try:
+            for chunk in client.completions.create(model="tiny", prompt=f"load {k}", max_tokens=240, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                text += chunk.choices[0].text if chunk.choices else ""
+                streaming.set()
+            results[k] = ("done", text)
+        except openai.APIError as exc:
+            results[k] = ("error", str(exc))
+
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    assert streaming.wait(30)
+    (worker,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("vattn-worker-")]
+    ray.kill(ray.get_actor(worker["name"], namespace=worker["namespace"]))
+    codes, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline and not (503 in codes and codes[-1] == 200):
+        code = httpx.get(f"{url}/health", timeout=10).status_code
+        if not codes or codes[-1] != code:
+            codes.append(code)
+        time.sleep(0.02)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)  # every stream ended
+    assert 503 in codes and codes[-1] == 200, codes
+    failed = [message for kind, message in results.values() if kind == "error"]
+    assert failed and all("the worker group failed and was rebuilt" in m for m in failed), [m[:300] for m in failed]
+    after = client.completions.create(model="tiny", prompt="after", max_tokens=4, temperature=0)
+    assert after.choices[0].finish_reason in ("length", "stop")
+    assert engine_snapshot().num_rebuilds == 1
