@@ -4,7 +4,12 @@ PY := $(VENV)/bin/python
 # CPU machines take the CPU build from local disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_CPU_PIN ?= torch==2.13.0
 
-.PHONY: test test-gpu demo bench-fragmentation clean
+.PHONY: test test-gpu demo serve bench-fragmentation clean
+
+# `make serve`: a real small instruct model (SmolLM2-135M-Instruct, from the package index) on CPU, local Ray.
+SERVE_HOST ?= 127.0.0.1
+SERVE_PORT ?= 8000
+SERVE_ARGS ?= --device cpu --kv-memory 512MiB --max-model-len 4096 --served-model-name smollm2
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -22,6 +27,10 @@ test: $(VENV)/.installed
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu
+
+serve: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[starter]'
+	$(PY) -m cluster.cli serve --model "$$($(PY) -m server.starter_model)" --host $(SERVE_HOST) --port $(SERVE_PORT) $(SERVE_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) -m kvmem.demo
