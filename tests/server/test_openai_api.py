@@ -188,6 +188,29 @@ def test_the_workers_live_in_the_engine_replicas_placement_group(url):
     assert len(workers) == 1  # ... and it is up: the requests above ran on it
 
 
+def test_256_concurrent_streams_finish_without_errors(url):
+    import asyncio
+
+    async def one(client: openai.AsyncOpenAI, k: int) -> tuple[str, str | None]:
+        text, reason = "", None
+        stream = await client.completions.create(model="tiny", prompt=f"client {k}", max_tokens=16, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def all_clients():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(client, k) for k in range(256)), return_exceptions=True)
+
+    results = asyncio.run(all_clients())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert all(reason == "length" for _, reason in results)
+    assert engine_snapshot().requests == ()
+
+
 def test_a_worker_killed_under_streaming_load(url, client):
     """The streams in flight end with an error event, /health says 503 while the workers are rebuilt and 200
     after, nothing hangs, and the next request is served."""
