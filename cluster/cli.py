@@ -11,22 +11,15 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
-from cluster.config import DTYPES, STRATEGIES
+from cluster.config import DTYPES, STRATEGIES, parse_size as _size
 from cluster.errors import PlacementError
 from cluster.engine import LLM
 from kvmem.spec import LAYOUTS
 from worker.attention import BACKENDS
 from worker.config import PRESETS
 from worker.sampling import SamplingParams
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,19 +116,25 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.config import EngineConfig, model_config, plan
-    from server.api import ServerSettings
-    from server.app import AppConfig, build_app
+    import torch
 
-    engine = EngineConfig(model=args.model, distributed="ray", progress=True, **_engine_config(args))
-    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body, max_n=args.max_n,
-                              max_tokens=args.max_tokens_limit, max_pending=args.max_pending)
+    from cluster.config import model_config, plan
+    from server.app import app_builder
+    from server.args import ServeArgs
+
     try:
-        import torch
-
+        serve_args = ServeArgs.parse(dict(
+            model=args.model, served_model_name=args.served_model_name, tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory,
+            page_size=args.page_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
+            device=args.device, placement_strategy=args.placement_strategy, num_replicas=args.num_replicas,
+            api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,
+            max_pending=args.max_pending,
+        ))
+        engine = serve_args.engine()
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         plan(engine, model_config(args.model), device)  # bad options fail here, before Ray starts
-        app = build_app(AppConfig(engine, args.served_model_name, settings, args.num_replicas))
+        app = app_builder(serve_args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"vattn: error: {exc}", file=sys.stderr)
         return 2
@@ -148,7 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"vattn: error: the app did not start: {exc}", file=sys.stderr)
         serve.shutdown()
         return 1
-    name = AppConfig(engine, args.served_model_name).served_name
+    name = args.served_model_name or Path(args.model).name or args.model
     auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
     print(f"\nvattn serves {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it). Try:\n"
           f"  curl http://{args.host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "

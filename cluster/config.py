@@ -91,6 +91,20 @@ class EnginePlan:
         return ledger
 
 
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"512MiB"``, ``"20GiB"``, ``"4KiB"``, ``"1.5g"`` or a plain number."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    clean = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if clean and clean[-1] in units:
+            return int(float(clean[:-1]) * units[clean[-1]])
+        return int(clean)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 20GiB, 4096)") from None
+
+
 def model_config(model: str) -> ModelConfig:
     """A preset's or a model directory's shape, without loading weights."""
     if model in PRESETS:

@@ -174,7 +174,18 @@ class EngineCore:
             return self._take_ended()
         if submitted and len(self._in_flight) < self._depth:
             return self._take_ended()  # the first step of a busy spell: the next call takes its result
-        step = self._in_flight.popleft()
+        outputs = self._complete(self._in_flight.popleft(), finished_only, streamed)
+        self.telemetry.record_step(self.last_step.num_prefill_tokens, time.perf_counter() - start)
+        while self._in_flight and not self.scheduler.has_work:
+            # Rows of sequences that ended while they were in flight (a stop token found a step late): let the
+            # workers finish them now, so that an idle engine holds nothing and the flush below frees it all.
+            outputs += self._complete(self._in_flight.popleft(), finished_only, streamed)
+        if not self.has_work:
+            self._flush_or_defer()  # these outputs are final whatever the workers do next
+        return self._take_ended() + outputs
+
+    def _complete(self, step: InFlight, finished_only: bool, streamed: set[str]) -> list[RequestOutput]:
+        """Take ``step``'s tokens: append them, check stops, build the outputs the caller wants."""
         result = step.pending.result()
         self.last_step = step.info
         self.num_steps += 1
@@ -188,10 +199,7 @@ class EngineCore:
         for o in outputs:
             if o.finished:
                 self.telemetry.record_finished(self._requests.pop(o.request_id), o.outputs[0].finish_reason)
-        self.telemetry.record_step(step.info.num_prefill_tokens, time.perf_counter() - start)
-        if not self.has_work:
-            self._flush_or_defer()  # these outputs are final whatever the workers do next
-        return self._take_ended() + outputs
+        return outputs
 
     def _submit_next(self) -> bool:
         """Schedule a step and hand it to the executor; False when nothing could be scheduled."""
@@ -328,7 +336,8 @@ class EngineCore:
         self.scheduler.continue_ids(old)  # kept sequences keep their ids: new ones must not take them
         for r in kept:
             seq = r.seqs[0]
-            seq.slot, seq.status = None, SeqStatus.WAITING
+            # pending: a token it was drawing when it was preempted, lost with the workers: it starts over.
+            seq.slot, seq.status, seq.pending = None, SeqStatus.WAITING, 0
             self.scheduler.add(seq)
         self._ended = []
         if not self.scheduler.has_work:

@@ -12,7 +12,9 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import EngineConfig
+from cluster.config import model_config as model_config_of
 from server.api import BodyLimit, ServerSettings, build_api
+from server.args import ServeArgs
 from server.engine import EngineServer
 
 
@@ -57,3 +59,12 @@ def build_app(config: AppConfig) -> Application:
                               placement_group_strategy=e.placement_strategy, max_ongoing_requests=100_000)
     ingress = serve.deployment(OpenAIIngress, name="VattnIngress", max_ongoing_requests=100_000)
     return ingress.bind(engine.bind(replace(e, device=device), config.served_name), config.settings)
+
+
+def app_builder(args: dict | ServeArgs) -> Application:
+    """The application a Serve config file names (``import_path: server.app:app_builder``), from its ``args``.
+    Bad arguments raise ``ValueError`` naming them before anything starts."""
+    a = ServeArgs.parse(args)
+    engine = a.engine()
+    model_config_of(engine.model)  # a missing model directory fails here, not in a replica
+    return build_app(AppConfig(engine, a.served_model_name, a.settings(), a.num_replicas))

@@ -42,7 +42,7 @@ def test_generate_on_ray_with_tp_and_pp_prints_the_in_process_tokens(capsys):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--tp", "3"], "tensor_parallel_size=3 does not divide the model's num_heads=4"),
-    (["--num-replicas", "0"], "num_replicas must be an int >= 1, got 0"),
+    (["--num-replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
     (["--model", "/nowhere"], "model '/nowhere' is neither a preset"),
 ])
 def test_serve_refuses_bad_options_before_ray_starts(capsys, argv, message):

@@ -343,3 +343,76 @@ def test_a_placeholder_for_a_sequence_never_sampled_is_refused(llm):
                      (0,), (1,), (0,), (5, 6, 7, PLACEHOLDER), (0, 4))
     with pytest.raises(ValueError, match="step 1000000: seq 999 ends in a placeholder, but no token was sampled for it"):
         executor.execute(step)
+
+
+class FailsResults(Around):
+    """A step's result fails (as a dead worker group's would) once ``arm_when()`` held right after a schedule."""
+
+    def __init__(self, executor, arm_when):
+        super().__init__(executor)
+        self.arm_when, self.armed = arm_when, False
+
+    def submit(self, step):
+        from cluster.errors import WorkerGroupError
+
+        pending, outer = self.inner.submit(step), self
+        self.armed = self.armed or self.arm_when()
+
+        class Failing:
+            def result(self):
+                out = pending.result()
+                if outer.armed:
+                    raise WorkerGroupError(f"step {step.step} failed: test")
+                return out
+
+        return Failing()
+
+
+def test_recovery_restarts_a_sequence_preempted_while_its_token_was_in_flight():
+    """(Found in review.) Step k draws X's first token; step k+1's schedule preempts X (recompute); step k fails.
+    X has not started for its client, so recovery keeps it -- and must drop the token it will never get."""
+    from cluster.errors import WorkerGroupError
+    from cluster.sequence import SeqStatus
+
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [list(range(5, 35)), list(range(105, 128)), list(range(205, 235))]
+    kw = dict(kv_memory=12 * 8192, max_num_seqs=6, max_model_len=128, page_size=4096, device="cpu", max_num_batched_tokens=24)
+    with LLM("tiny", **kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    with LLM("tiny", async_scheduling=True, **kw) as llm:
+        core, found = llm.core, []
+
+        def victim() -> bool:
+            found[:] = [s for r in core._requests.values() for s in r.seqs
+                        if s.status is SeqStatus.WAITING and s.pending and not s.num_output_tokens]
+            return bool(found)
+
+        core.executor = failing = FailsResults(core.executor, victim)
+        ids = [llm.add_request(p, greedy) for p in prompts]
+        with pytest.raises(WorkerGroupError):
+            for _ in range(200):
+                llm.step()
+        (x,) = found
+        failed = {o.request_id for o in core.recover(WorkerGroupError("test"))}
+        core.executor = failing.inner
+        assert x.request.request_id not in failed and x.pending == 0
+        done = {}
+        while core.has_work:
+            done.update({o.request_id: o for o in llm.step() if o.finished})
+        out = done[x.request.request_id]
+        assert out.error is None and out.outputs[0].token_ids == want[ids.index(x.request.request_id)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_engine_done_with_its_requests_holds_nothing(overlap):
+    """(Found in review.) The last request stops on a token found a step late: its wasted row is still in flight
+    when its final output is made. generate() returns only once the workers hold no slot of it."""
+    kw = dict(kv_memory=16 << 20, max_num_seqs=6, max_model_len=128, page_size=4096, device="cpu",
+              max_num_batched_tokens=24)
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with LLM("tiny", async_scheduling=overlap, **kw) as llm:
+        stop = llm.generate("abc", greedy)[0].outputs[0].token_ids[3]
+        (out,) = llm.generate("abc", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop]))
+        assert out.outputs[0].finish_reason == "stop"
+        assert not llm.core.has_work and llm.cache.stats().slots_in_use == 0
+        assert llm.core.ledger.accounting() == llm.cache.accounting()

@@ -1,0 +1,67 @@
+"""What a deployment of vattn is configured with: the arguments of ``vattn serve`` and of a Serve config file's
+application (``serve_config.yaml``, the Helm chart's ``serveConfigV2``), one pydantic model for both."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cluster.config import EngineConfig, parse_size
+from server.api import ServerSettings
+
+
+class ServeArgs(BaseModel):
+    """Sizes take ``"512MiB"``-style strings or bytes. ``api_key`` unset: ``$VATTN_API_KEY`` (a Kubernetes Secret's
+    way in), else the API is open."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny"
+    served_model_name: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    kv_layout: Literal["mega", "per_layer", "paged"] = "mega"
+    attention: str | None = None
+    kv_memory: int = 1 << 30
+    page_size: int = 2 << 20
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    dtype: str = "auto"
+    device: Literal["cpu", "cuda"] | None = None
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    num_replicas: int = Field(1, ge=1)
+    api_key: str | None = None
+    max_body: int = 4 << 20
+    max_n: int = Field(16, ge=1)
+    max_tokens_limit: int | None = Field(None, ge=1)
+    max_pending: int = Field(1024, ge=1)
+
+    @classmethod
+    def parse(cls, args: "dict | ServeArgs") -> "ServeArgs":
+        """Validated ``args``; a ``ValueError`` naming each bad field otherwise."""
+        try:
+            return cls.model_validate(args)
+        except ValidationError as exc:
+            raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+
+    @field_validator("kv_memory", "page_size", "max_body", mode="before")
+    @classmethod
+    def _bytes(cls, value):
+        return parse_size(value)
+
+    def engine(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, kv_layout=self.kv_layout, attention=self.attention, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            kv_memory=self.kv_memory, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True,
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed="ray", placement_strategy=self.placement_strategy,
+        )
+
+    def settings(self) -> ServerSettings:
+        return ServerSettings(api_key=self.api_key or os.environ.get("VATTN_API_KEY") or None,
+                              max_body_bytes=self.max_body, max_n=self.max_n, max_tokens=self.max_tokens_limit,
+                              max_pending=self.max_pending)

@@ -1,0 +1,52 @@
+"""``serve_config.yaml`` as Ray Serve reads it: its schema, its import path, its args through the builder Serve
+calls; the application it describes comes up and answers. Bad args fail before anything starts, naming the field."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+import yaml
+from ray import serve
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.schema import ServeDeploySchema
+from ray._common.utils import import_attr
+
+from server.app import app_builder
+
+CONFIG = Path(__file__).parents[2] / "serve_config.yaml"
+
+
+def test_the_config_file_starts_a_serving_app():
+    config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
+    (app,) = config.applications
+    assert app.import_path == "server.app:app_builder"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        built = call_user_app_builder_with_args_if_necessary(import_attr(app.import_path), app.args)
+        serve.run(built, name=app.name, route_prefix=app.route_prefix)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"kv_memory": "lots"}, "kv_memory: Value error, 'lots' is not a size"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size: Input should be greater than or equal to 1"),
+    ({"kv_layot": "mega"}, "kv_layot: Extra inputs are not permitted"),
+    ({"device": "tpu"}, "device: Input should be 'cpu' or 'cuda'"),
+    ({"model": "/nowhere"}, "model '/nowhere' is neither a preset"),
+])
+def test_bad_args_are_refused_naming_the_field(args, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        app_builder(args)
