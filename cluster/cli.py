@@ -139,7 +139,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"vattn: error: {exc}", file=sys.stderr)
         return 2
     if not os.environ.get("RAY_ADDRESS"):
-        ray.init(num_cpus=max(os.cpu_count() or 1, args.tp * args.pp + 2), include_dashboard=False)
+        # Logical CPUs for the ingress, and per engine replica one for it and one per worker, however few cores.
+        needed = 1 + args.num_replicas * (1 + args.tp * args.pp)
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     try:
         serve.run(app, route_prefix="/")

@@ -251,3 +251,29 @@ def test_a_worker_killed_under_streaming_load(url, client):
     after = client.completions.create(model="tiny", prompt="after", max_tokens=4, temperature=0)
     assert after.choices[0].finish_reason in ("length", "stop")
     assert engine_snapshot().num_rebuilds == 1
+
+
+import schemathesis  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def api_schema(url):
+    return schemathesis.openapi.from_url(f"{url}/openapi.json")
+
+
+api = schemathesis.pytest.from_fixture("api_schema")
+
+
+@api.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_the_openapi_sweep_gets_no_server_error(case, url):
+    """Requests generated from the server's own OpenAPI schema (valid and not): never a 5xx, always an answer."""
+    response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    case.validate_response(response, checks=(not_a_server_error,))
+
+
+def test_healthy_after_the_sweep(url):
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert engine_snapshot().requests == ()

@@ -1,0 +1,189 @@
+"""Serving benchmark over the HTTP API, in the spirit of vLLM's benchmark_serving: streaming completions at fixed
+concurrency levels; time to first token, inter-token latency and end-to-end latency (p50/p90/p99), output tok/s.
+
+    python bench/serving.py --model tiny --device cpu --concurrency 1 16 64 256         # starts the server itself
+    python bench/serving.py --url http://127.0.0.1:8000 --served-name smollm2 ...       # or measures a running one
+
+Prompts are random token ids (exact input lengths), greedy, EOS ignored, every request streams with usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import report  # noqa: E402
+
+
+@dataclass
+class Sample:
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
+    s, start, last = Sample(), time.perf_counter(), None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return s
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    s.error = chunk["error"]["message"]
+                    return s
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    s.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:
+                    if last is None:
+                        s.ttft = now - start
+                    else:
+                        s.itl.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        s.error = f"{type(exc).__name__}: {exc}"
+    s.e2e = time.perf_counter() - start
+    return s
+
+
+async def level(url: str, name: str, prompts: list[list[int]], output: int, concurrency: int, key: str | None) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def gated(client, prompt):
+        async with gate:
+            return await one(client, url, {"model": name, "prompt": prompt, "max_tokens": output, "temperature": 0,
+                                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
+        start = time.perf_counter()
+        samples = await asyncio.gather(*(gated(client, p) for p in prompts))
+        wall = time.perf_counter() - start
+    ok = [s for s in samples if s.error is None]
+
+    def pct(values: list[float]) -> dict:
+        if not values:
+            return {"p50": None, "p90": None, "p99": None, "mean": None}
+        q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+        return {"p50": q[49], "p90": q[89], "p99": q[98], "mean": statistics.fmean(values)}
+
+    tokens = sum(s.output_tokens for s in ok)
+    return {
+        "concurrency": concurrency, "requests": len(prompts), "errors": len(samples) - len(ok),
+        "first_errors": [s.error for s in samples if s.error][:3], "wall_s": wall,
+        "output_tok_s": tokens / wall, "request_s": len(ok) / wall, "output_tokens": tokens,
+        "ttft_s": pct([s.ttft for s in ok]), "itl_s": pct([x for s in ok for x in s.itl]), "e2e_s": pct([s.e2e for s in ok]),
+    }
+
+
+def start_server(args) -> tuple[str, str]:
+    """A Serve app in this process (local Ray) with the engine options given; (url, served model name)."""
+    import ray
+    from ray import serve
+
+    from server.app import app_builder
+
+    ray.init(num_cpus=max(os.cpu_count() or 1, 3), include_dashboard=False, log_to_driver=False)  # ingress, replica, worker
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve_args = {"model": args.model, "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs,
+                  "max_model_len": args.input + args.output + 8, "max_n": 1, "max_pending": 100_000,
+                  "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.device:
+        serve_args["device"] = args.device
+    if args.page_size:
+        serve_args["page_size"] = args.page_size
+    serve.run(app_builder(serve_args), route_prefix="/")
+    return f"http://127.0.0.1:{port}", Path(args.model).name or args.model
+
+
+def plot(levels: list[dict], path: Path, title: str) -> None:
+    c = [r["concurrency"] for r in levels]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "e2e")):
+        a.plot(c, [1e3 * (r[key]["p50"] or 0) for r in levels], marker="o", label=f"{label} p50")
+        a.plot(c, [1e3 * (r[key]["p99"] or 0) for r in levels], marker="x", ls="--", label=f"{label} p99")
+    a.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
+    a.legend(fontsize=7)
+    b.plot(c, [r["output_tok_s"] for r in levels], marker="o")
+    b.set(xscale="log", xlabel="concurrent clients", ylabel="output tok/s", title="throughput")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="a running server (else one is started here with the options below)")
+    p.add_argument("--served-name", help="the model name the running server serves")
+    p.add_argument("--api-key")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--device")
+    p.add_argument("--kv-memory", default="1GiB")
+    p.add_argument("--page-size")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--requests", type=int, default=0, help="per level (default: 4x the concurrency, at least 16)")
+    p.add_argument("--input", type=int, default=128, help="prompt tokens")
+    p.add_argument("--output", type=int, default=64, help="output tokens")
+    p.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="serving")
+    p.add_argument("--out", type=Path, default=report.RESULTS)
+    args = p.parse_args()
+    url, name = (args.url, args.served_name) if args.url else start_server(args)
+    rng = random.Random(args.seed)
+    levels = []
+    asyncio.run(level(url, name, [[rng.randrange(args.vocab) for _ in range(args.input)]] * 4, args.output, 4, args.api_key))  # warm-up
+    for c in args.concurrency:
+        n = args.requests or max(16, 4 * c)
+        prompts = [[rng.randrange(args.vocab) for _ in range(args.input)] for _ in range(n)]
+        levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key)))
+        r = levels[-1]
+        print(f"{c} clients: {r['requests']} requests in {r['wall_s']:.1f} s, {r['output_tok_s']:.0f} output tok/s, "
+              f"{r['errors']} errors", file=sys.stderr, flush=True)
+    ms = lambda x: None if x is None else round(1e3 * x, 1)  # noqa: E731
+    headers = ["clients", "requests", "errors", "output tok/s", "req/s", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms",
+               "e2e p50/p99 ms"]
+    rows = [[r["concurrency"], r["requests"], r["errors"], round(r["output_tok_s"], 1), round(r["request_s"], 2),
+             "/".join(str(ms(r["ttft_s"][k])) for k in ("p50", "p90", "p99")),
+             "/".join(str(ms(r["itl_s"][k])) for k in ("p50", "p90", "p99")),
+             "/".join(str(ms(r["e2e_s"][k])) for k in ("p50", "p99"))] for r in levels]
+    data = {"model": name, "url": url if args.url else "started here", "input_tokens": args.input,
+            "output_tokens": args.output, "levels": levels}
+    report.write(args.name, headers, rows, data, args.out)
+    plot(levels, args.out / f"{args.name}.png", f"{name}: {args.input} in / {args.output} out tokens, streaming")
+    if any(r["errors"] for r in levels):
+        sys.exit(f"errors: {[r['first_errors'] for r in levels if r['errors']]}")
+
+
+if __name__ == "__main__":
+    main()
