@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled. ``temperature=0`` is greedy; a ``seed`` makes sampling reproducible
@@ -48,7 +51,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature overflow to inf and softmax gives NaN (vLLM draws the same line).
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ def sample(
             sorted_logits, order = torch.sort(scaled, descending=True)
             sorted_probs = sorted_logits.softmax(-1)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the token that crosses top_p
+            drop[0] = False  # and the likeliest always: rounding must not leave nothing to draw from
             scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = scaled.softmax(-1)
         token = int(torch.multinomial(probs, 1, generator=_generator(seed, sample_index, output_index, logits.device)))

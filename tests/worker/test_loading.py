@@ -74,3 +74,14 @@ def test_hf_tokenizer_and_chat_template(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ raise_exception('no system') }}"}))
     with pytest.raises(ValueError, match="the chat template refused the messages: no system"):
         load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "system", "content": "hi"}])
+
+
+def test_vanishing_temperature_and_top_p_still_draw_a_token():
+    """(Found by the API sweep: temperature 5e-324 made logits / temperature inf and the worker's softmax NaN.)"""
+    from worker.sampling import SamplingParams, sample
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    for t in (5e-324, 1e-300, 1e-6):
+        assert sample(logits, SamplingParams(temperature=t), 0, 0, seed=1).token_id == 1
+    for p in (5e-324, 1e-30):  # a vanishing top_p keeps the likeliest token, never none
+        assert sample(logits, SamplingParams(top_p=p), 0, 0, seed=1).token_id == 1
