@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
 from cluster.config import EngineConfig
 from server.app import AppConfig, build_app
+from tests.server.conftest import free_port, serving
 
 DOC = Path(__file__).parents[2] / "docs" / "metrics.md"
 PROMETHEUS = shutil.which("prometheus")
@@ -27,23 +25,12 @@ def documented() -> dict[str, str]:
     return dict(re.findall(r"^\| `(vattn:[a-z0-9_:]+)` \| (gauge|counter|histogram) \|", DOC.read_text(), re.M))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = EngineConfig(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256, page_size=4096,
                           distributed="ray")
-    serve.run(build_app(AppConfig(engine)), route_prefix="/")
-    yield f"127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(lambda: build_app(AppConfig(engine))) as url:
+        yield url.removeprefix("http://")
 
 
 def traffic(target: str) -> None:

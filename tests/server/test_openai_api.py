@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
@@ -17,28 +16,18 @@ from cluster.config import EngineConfig
 from cluster.engine import LLM
 from server.api import ServerSettings
 from server.app import AppConfig, build_app
+from tests.server.conftest import serving
 from worker.sampling import SamplingParams
 
 KEY = "test-key"
 ENGINE = dict(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256, page_size=4096, max_num_seqs=16)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = ServerSettings(api_key=KEY, max_body_bytes=1 << 20, max_n=4)
-    serve.run(build_app(AppConfig(EngineConfig(distributed="ray", **ENGINE), settings=settings)), route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(lambda: build_app(AppConfig(EngineConfig(distributed="ray", **ENGINE), settings=settings))) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,23 @@ own scheduler and workers, and each one's metrics carry its own ``replica`` labe
 from __future__ import annotations
 
 import re
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import ray
-from ray import serve
 
 from cluster.config import EngineConfig
 from server.app import AppConfig, build_app
+from tests.server.conftest import serving
 
 
 @pytest.fixture(scope="module")
 def url():
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = EngineConfig(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256, page_size=4096,
                           distributed="ray")
-    serve.run(build_app(AppConfig(engine, num_replicas=2)), route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(lambda: build_app(AppConfig(engine, num_replicas=2)), num_cpus=6) as base:
+        yield base
 
 
 def test_requests_spread_over_both_replicas_and_metrics_say_whose(url):

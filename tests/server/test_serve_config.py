@@ -3,19 +3,17 @@ calls; the application it describes comes up and answers. Bad args fail before a
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import httpx
 import pytest
-import ray
 import yaml
-from ray import serve
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 from ray._common.utils import import_attr
 
 from server.app import app_builder
+from tests.server.conftest import serving
 
 CONFIG = Path(__file__).parents[2] / "serve_config.yaml"
 
@@ -24,20 +22,12 @@ def test_the_config_file_starts_a_serving_app():
     config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
     (app,) = config.applications
     assert app.import_path == "server.app:app_builder"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        built = call_user_app_builder_with_args_if_necessary(import_attr(app.import_path), app.args)
-        serve.run(built, name=app.name, route_prefix=app.route_prefix)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+    build = import_attr(app.import_path)
+    with serving(lambda: call_user_app_builder_with_args_if_necessary(build, app.args), name=app.name,
+                 route_prefix=app.route_prefix) as url:
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.parametrize(("args", "message"), [
