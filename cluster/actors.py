@@ -171,15 +171,11 @@ class SchedulerActor:
         final error output."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            if request_ids is None:
-                while not any(self._outputs.values()) and self._error is None and time.monotonic() < deadline:
-                    self._cond.wait(deadline - time.monotonic())
-                request_ids = list(self._outputs)
-            unknown = [i for i in request_ids if i not in self._outputs]
+            unknown = [i for i in request_ids or () if i not in self._outputs]
             if unknown:
                 return [RequestOutput.failed(i, f"unknown request {i!r}, or its output was not collected within "
                                                 f"{UNCLAIMED_OUTPUT_S:.0f} s of its end") for i in unknown]
-            while not any(self._outputs.get(i) for i in request_ids):
+            while not any(self._outputs.get(i) for i in (self._outputs if request_ids is None else request_ids)):
                 if self._error is not None and isinstance(self._error, EngineDeadError):
                     raise self._error
                 left = deadline - time.monotonic()
@@ -187,7 +183,7 @@ class SchedulerActor:
                     return []
                 self._cond.wait(left)
             out = []
-            for i in request_ids:
+            for i in list(self._outputs) if request_ids is None else request_ids:
                 out += self._outputs.get(i, [])
                 if i in self._outputs:
                     self._outputs[i] = []

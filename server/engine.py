@@ -35,14 +35,13 @@ class Progress:
 
     index: int  # which of the call's prompts
     output: RequestOutput
-    token_texts: dict[int, str]  # the text of every token its logprobs name (empty without logprobs)
+    token_texts: dict[int, str]  # the text of every token its logprobs name (final outputs with logprobs only)
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
     max_model_len: int
-    has_chat_template: bool
 
 
 class EngineServer:
@@ -54,7 +53,7 @@ class EngineServer:
         group = ray.util.get_current_placement_group()
         replica = serve.get_replica_context().replica_id.unique_id
         self.engine = RayEngine(config, Placement(group) if group is not None else None, SCHEDULER_PREFIX + replica)
-        self.info = ModelInfo(model_name, self.engine.max_model_len, self.engine.tokenizer.has_chat_template)
+        self.info = ModelInfo(model_name, self.engine.max_model_len)
         self._queues: dict[str, asyncio.Queue] = {}
         self._collector: asyncio.Task | None = None
 
@@ -80,7 +79,9 @@ class EngineServer:
                     raise out
                 if out.finished:
                     live.discard(out.request_id)
-                yield Progress(index[out.request_id], out, self._token_texts(out) if params.logprobs is not None else {})
+                # Only final outputs carry logprobs to the client: decoding every streamed one would be wasted.
+                texts = self._token_texts(out) if params.logprobs is not None and out.finished else {}
+                yield Progress(index[out.request_id], out, texts)
         finally:
             for i in ids:
                 self._queues.pop(i, None)
