@@ -1,5 +1,7 @@
 """Serving benchmark over the HTTP API, in the spirit of vLLM's benchmark_serving: streaming completions at fixed
-concurrency levels; time to first token, inter-token latency and end-to-end latency (p50/p90/p99), output tok/s.
+concurrency levels; time to first token, inter-token latency (between chunks, as a client sees them: a chunk may
+carry several tokens), time per output token ((e2e - TTFT) / (tokens - 1), per request) and end-to-end latency
+(p50/p90/p99), output tok/s.
 
     python bench/serving.py --model tiny --device cpu --concurrency 1 16 64 256         # starts the server itself
     python bench/serving.py --url http://127.0.0.1:8000 --served-name smollm2 ...       # or measures a running one
@@ -98,6 +100,7 @@ async def level(url: str, name: str, prompts: list[list[int]], output: int, conc
         "first_errors": [s.error for s in samples if s.error][:3], "wall_s": wall,
         "output_tok_s": tokens / wall, "request_s": len(ok) / wall, "output_tokens": tokens,
         "ttft_s": pct([s.ttft for s in ok]), "itl_s": pct([x for s in ok for x in s.itl]), "e2e_s": pct([s.e2e for s in ok]),
+        "tpot_s": pct([(s.e2e - s.ttft) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]),
     }
 
 
@@ -108,7 +111,7 @@ def start_server(args) -> tuple[str, str]:
 
     from server.app import app_builder
 
-    ray.init(num_cpus=max(os.cpu_count() or 1, 3), include_dashboard=False, log_to_driver=False)  # ingress, replica, worker
+    ray.init(num_cpus=max(os.cpu_count() or 1, 2 + args.ingress_replicas), include_dashboard=False, log_to_driver=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -118,6 +121,7 @@ def start_server(args) -> tuple[str, str]:
                   "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.device:
         serve_args["device"] = args.device
+    serve_args["ingress_replicas"] = args.ingress_replicas
     if args.page_size:
         serve_args["page_size"] = args.page_size
     serve.run(app_builder(serve_args), route_prefix="/")
@@ -127,7 +131,7 @@ def start_server(args) -> tuple[str, str]:
 def plot(levels: list[dict], path: Path, title: str) -> None:
     c = [r["concurrency"] for r in levels]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "e2e")):
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "e2e")):
         a.plot(c, [1e3 * (r[key]["p50"] or 0) for r in levels], marker="o", label=f"{label} p50")
         a.plot(c, [1e3 * (r[key]["p99"] or 0) for r in levels], marker="x", ls="--", label=f"{label} p99")
     a.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
@@ -148,10 +152,12 @@ def main() -> None:
     p.add_argument("--device")
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--page-size")
+    p.add_argument("--ingress-replicas", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--requests", type=int, default=0, help="per level (default: 4x the concurrency, at least 16)")
+    p.add_argument("--requests", type=int, default=0, help="per level (default: --rounds x the concurrency, at least 16)")
+    p.add_argument("--rounds", type=int, default=4, help="requests per client at each level, unless --requests")
     p.add_argument("--input", type=int, default=128, help="prompt tokens")
     p.add_argument("--output", type=int, default=64, help="output tokens")
     p.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
@@ -164,20 +170,21 @@ def main() -> None:
     levels = []
     asyncio.run(level(url, name, [[rng.randrange(args.vocab) for _ in range(args.input)]] * 4, args.output, 4, args.api_key))  # warm-up
     for c in args.concurrency:
-        n = args.requests or max(16, 4 * c)
+        n = args.requests or max(16, args.rounds * c)
         prompts = [[rng.randrange(args.vocab) for _ in range(args.input)] for _ in range(n)]
         levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key)))
         r = levels[-1]
         print(f"{c} clients: {r['requests']} requests in {r['wall_s']:.1f} s, {r['output_tok_s']:.0f} output tok/s, "
               f"{r['errors']} errors", file=sys.stderr, flush=True)
     ms = lambda x: None if x is None else round(1e3 * x, 1)  # noqa: E731
-    headers = ["clients", "requests", "errors", "output tok/s", "req/s", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms",
-               "e2e p50/p99 ms"]
+    headers = ["clients", "requests", "errors", "output tok/s", "req/s", "TTFT p50/p90/p99 ms", "TPOT p50/p99 ms",
+               "ITL p50/p90/p99 ms", "e2e p50/p99 ms"]
     rows = [[r["concurrency"], r["requests"], r["errors"], round(r["output_tok_s"], 1), round(r["request_s"], 2),
              "/".join(str(ms(r["ttft_s"][k])) for k in ("p50", "p90", "p99")),
+             "/".join(str(ms(r["tpot_s"][k])) for k in ("p50", "p99")),
              "/".join(str(ms(r["itl_s"][k])) for k in ("p50", "p90", "p99")),
              "/".join(str(ms(r["e2e_s"][k])) for k in ("p50", "p99"))] for r in levels]
-    data = {"model": name, "url": url if args.url else "started here", "input_tokens": args.input,
+    data = {"model": name, "url": url if args.url else "started here", "ingress_replicas": args.ingress_replicas, "input_tokens": args.input,
             "output_tokens": args.output, "levels": levels}
     report.write(args.name, headers, rows, data, args.out)
     plot(levels, args.out / f"{args.name}.png", f"{name}: {args.input} in / {args.output} out tokens, streaming")

@@ -115,6 +115,7 @@ class SchedulerActor:
         self._inbox: list[tuple[str, object]] = []
         self._outputs: dict[str, list[RequestOutput]] = {}
         self._streamed: set[str] = set()
+        self._consumers: dict[str, set[str]] = {}  # consumer -> the live requests it added
         self._unclaimed: dict[str, float] = {}  # finished request -> when its final output was buffered
         self._rebuilding = False
         try:
@@ -140,9 +141,10 @@ class SchedulerActor:
 
     # -- clients -------------------------------------------------------------------------------
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False,
-                     request_ids: list[str] | None = None) -> list[str]:
+                     request_ids: list[str] | None = None, consumer: str | None = None) -> list[str]:
         """Validate all (a ``ValueError`` queues none), queue them for the loop; their ids (``request_ids``: the
-        caller's, which must not be in use -- so it can wait for outputs before it knows they were queued)."""
+        caller's, which must not be in use -- so it can wait for outputs before it knows they were queued).
+        ``consumer``: a name whose ``wait_outputs`` call returns these requests' outputs with its others'."""
         self._check_alive()
         ids = request_ids or [None] * len(prompts)
         prepared = [self.core.prepare(p, sp, i) for p, sp, i in zip(prompts, params, ids, strict=True)]
@@ -156,6 +158,8 @@ class SchedulerActor:
                 self._outputs[r.request_id] = []
                 if stream:
                     self._streamed.add(r.request_id)
+                if consumer is not None:
+                    self._consumers.setdefault(consumer, set()).add(r.request_id)
                 self._inbox.append(("add", r))
             self._cond.notify_all()
         return [r.request_id for r in prepared]
@@ -165,17 +169,19 @@ class SchedulerActor:
             self._inbox.append(("abort", request_id))
             self._cond.notify_all()
 
-    def wait_outputs(self, request_ids: list[str] | None, timeout: float = 1.0) -> list[RequestOutput]:
-        """Outputs of ``request_ids`` (None: of every request) since the last call, waiting up to ``timeout`` s
-        for the first. An id this actor does not know (never added, or its output expired uncollected) gets a
-        final error output."""
+    def wait_outputs(self, request_ids: list[str] | None, timeout: float = 1.0,
+                     consumer: str | None = None) -> list[RequestOutput]:
+        """The newest output of each of ``request_ids`` (None: of ``consumer``'s requests, or of every request
+        without one) that moved since the last call -- outputs are cumulative, so one that waited long says all
+        the ones before it did -- waiting up to ``timeout`` s for the first. An id this actor does not know
+        (never added, or its output expired uncollected) gets a final error output."""
         deadline = time.monotonic() + timeout
         with self._cond:
             unknown = [i for i in request_ids or () if i not in self._outputs]
             if unknown:
                 return [RequestOutput.failed(i, f"unknown request {i!r}, or its output was not collected within "
                                                 f"{UNCLAIMED_OUTPUT_S:.0f} s of its end") for i in unknown]
-            while not any(self._outputs.get(i) for i in (self._outputs if request_ids is None else request_ids)):
+            while not any(self._outputs.get(i) for i in self._selected(request_ids, consumer)):
                 if self._error is not None and isinstance(self._error, EngineDeadError):
                     raise self._error
                 left = deadline - time.monotonic()
@@ -183,18 +189,28 @@ class SchedulerActor:
                     return []
                 self._cond.wait(left)
             out = []
-            for i in list(self._outputs) if request_ids is None else request_ids:
-                out += self._outputs.get(i, [])
-                if i in self._outputs:
+            for i in list(self._selected(request_ids, consumer)):
+                if self._outputs.get(i):
+                    out.append(self._outputs[i][-1])
                     self._outputs[i] = []
-                    if out and out[-1].request_id == i and out[-1].finished:
+                    if out[-1].finished:
                         self._forget(i)
             return out
+
+    def _selected(self, request_ids: list[str] | None, consumer: str | None):
+        # Looked up at each wake: a request its consumer added while it waited counts.
+        if request_ids is not None:
+            return request_ids
+        return self._consumers.get(consumer, ()) if consumer is not None else self._outputs
 
     def _forget(self, request_id: str) -> None:
         del self._outputs[request_id]
         self._streamed.discard(request_id)
         self._unclaimed.pop(request_id, None)
+        for consumer, ids in list(self._consumers.items()):
+            ids.discard(request_id)
+            if not ids:
+                del self._consumers[consumer]
 
     def health(self) -> str:
         """"ok", "rebuilding" (the worker group failed and is being replaced) or "dead" (the engine cannot serve)."""

@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=os.environ.get("VATTN_API_KEY"),
                      help="required as 'Authorization: Bearer KEY' on /v1/* (default: $VATTN_API_KEY; unset: open)")
     srv.add_argument("--num-replicas", type=int, default=1, help="engine replicas (data parallel)")
+    srv.add_argument("--ingress-replicas", type=int, default=1, help="HTTP front replicas (more for many streams)")
     srv.add_argument("--max-body", type=_size, default=4 << 20, help="largest request body")
     srv.add_argument("--max-n", type=int, default=16)
     srv.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: the context)")
@@ -128,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
             pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory,
             page_size=args.page_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
             device=args.device, placement_strategy=args.placement_strategy, num_replicas=args.num_replicas,
+            ingress_replicas=args.ingress_replicas,
             api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,
             max_pending=args.max_pending,
         ))
@@ -139,8 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"vattn: error: {exc}", file=sys.stderr)
         return 2
     if not os.environ.get("RAY_ADDRESS"):
-        # Logical CPUs for the ingress, and per engine replica one for it and one per worker, however few cores.
-        needed = 1 + args.num_replicas * (1 + args.tp * args.pp)
+        # Logical CPUs for the ingress replicas, and per engine replica one for it and one per worker, however few cores.
+        needed = args.ingress_replicas + args.num_replicas * (1 + args.tp * args.pp)
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     try:

@@ -278,6 +278,16 @@ class EngineCore:
         if reason:
             self._finish(seq, reason)
 
+    def _token_texts(self, seq: Sequence) -> dict[int, str]:
+        """Texts of the tokens ``seq``'s logprobs name, decoding only the entries added since the last call."""
+        known = seq.token_texts
+        for t in seq.logprobs[seq.texts_for :]:
+            for i in (t.token_id, *(t.top_logprobs or ())):
+                if i not in known:
+                    known[i] = self.tokenizer.decode([i])
+        seq.texts_for = len(seq.logprobs)
+        return dict(known)
+
     def _output(self, r: Request, error: str | None = None, ended: str | None = None) -> RequestOutput:
         """``r``'s output; ``error`` or ``ended`` (a finish reason) make it final even before all n samples
         exist -- the missing ones are empty completions with that reason, so a client finds all n."""
@@ -287,8 +297,11 @@ class EngineCore:
             for stop in r.params.stop:
                 if stop in text:
                     text = text[: text.index(stop)]
-            logprobs = tuple(seq.logprobs) if r.params.logprobs is not None else None
-            completions.append(CompletionOutput(seq.sample_index, text, tuple(seq.output_token_ids), seq.finish_reason, logprobs))
+            logprobs = texts = None
+            if r.params.logprobs is not None:
+                logprobs, texts = tuple(seq.logprobs), self._token_texts(seq)
+            completions.append(CompletionOutput(seq.sample_index, text, tuple(seq.output_token_ids), seq.finish_reason,
+                                                logprobs, texts))
         reason = "error" if error is not None else ended
         if reason is not None:
             empty = () if r.params.logprobs is not None else None

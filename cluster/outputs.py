@@ -14,6 +14,7 @@ class CompletionOutput:
     token_ids: tuple[int, ...]
     finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     logprobs: tuple[SampledToken, ...] | None = None
+    token_texts: dict[int, str] | None = None  # with logprobs: the text of every token they name
 
 
 @dataclass(frozen=True)

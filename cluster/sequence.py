@@ -57,6 +57,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     logprobs: list[SampledToken] = field(default_factory=list)
+    token_texts: dict[int, str] = field(default_factory=dict)  # the text of each token ``logprobs[:texts_for]`` names
+    texts_for: int = 0
     num_preemptions: int = 0
     pending: int = 0
 

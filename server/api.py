@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API: a FastAPI app served by the ingress deployment, which forwards each
-request to an engine replica (``server.engine.EngineServer``) and shapes its outputs as OpenAI does.
+"""The OpenAI-compatible HTTP API: a FastAPI app served by the ingress deployment, which sends each request
+to an engine replica (``server.engine.EngineServer``), collects its outputs (``server.outputs``) and shapes
+them as OpenAI does.
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for bad input (bad JSON
 included), 401 without the API key, 404 for an unknown model, 413 for a body over the limit, 429 when the
@@ -14,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,8 +24,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cluster.errors import EngineDeadError
 from cluster.outputs import RequestOutput
 from server import protocol as p
-from server.engine import SCHEDULER_PREFIX, Progress
+from server.engine import scheduler_actors
 from server.metrics import CONTENT_TYPE, render
+from server.outputs import OutputCollector, Progress
 from server.text import TextStream, chat_logprobs, completion_logprobs
 from worker.sampling import SamplingParams
 
@@ -102,8 +103,9 @@ def _engine_error(exc: BaseException) -> APIError:
     return APIError(503, f"the engine failed: {type(exc).__name__}: {exc}", "service_unavailable")
 
 
-def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: int) -> FastAPI:
-    """The FastAPI app over ``engine`` (a Serve handle of ``EngineServer`` deployments)."""
+def build_api(collector: OutputCollector, settings: ServerSettings, model_name: str, max_model_len: int,
+              num_replicas: int = 1) -> FastAPI:
+    """The FastAPI app over the engine deployment ``collector`` sends to (``num_replicas`` engine replicas)."""
     app = FastAPI(title="vattn", version=VERSION)
     pending = 0
 
@@ -151,12 +153,12 @@ def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: 
         if pending >= settings.max_pending:
             raise APIError(429, f"the server holds {settings.max_pending} requests already: retry later", "rate_limit_exceeded")
         pending += 1
-        outputs = engine.options(stream=True).generate.remote(prompts, params, stream, chat)
+        outputs = collector.generate(prompts, params, stream, chat)
         try:
             first = await outputs.__anext__()
         except BaseException as exc:
             pending -= 1
-            outputs.cancel()
+            await outputs.aclose()
             if isinstance(exc, StopAsyncIteration):
                 raise APIError(503, "the engine ended the request without output", "service_unavailable") from None
             raise _engine_error(exc) from None
@@ -164,14 +166,16 @@ def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: 
         async def items() -> AsyncIterator[Progress]:
             nonlocal pending
             try:
-                yield first
-                async for item in outputs:
+                for item in first:
                     yield item
+                async for batch in outputs:
+                    for item in batch:
+                        yield item
             except Exception as exc:
                 raise _engine_error(exc) from None
             finally:
                 pending -= 1
-                outputs.cancel()  # a client gone mid-stream: the replica aborts what still runs
+                await outputs.aclose()  # a client gone mid-stream: what still runs is aborted
 
         return items()
 
@@ -192,26 +196,32 @@ def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: 
             raise APIError(503, out.error, "service_unavailable")
 
     # -- routes --------------------------------------------------------------------------------
+    async def ask_replicas(method: str, fallback):
+        """``method``'s answer from every engine replica's scheduler actor, ``fallback`` where none came in 5 s."""
+        async def ask(actor):
+            try:
+                return await asyncio.wait_for(getattr(actor, method).remote(), timeout=5)
+            except Exception:  # a replica going away or rebuilding
+                return fallback
+
+        actors = scheduler_actors()
+        return dict(zip(actors, await asyncio.gather(*(ask(a) for a in actors.values())), strict=True))
+
     @app.get("/health")
     async def health():
-        state = await engine.health.remote()
-        if state != "ok":
-            raise APIError(503, f"the engine is {state}", "service_unavailable")
-        return {"status": "ok"}
+        """200 while at least one engine replica serves ("degraded" unless all do), else 503."""
+        states = await ask_replicas("health", "unreachable")
+        states |= {f"missing-{k}": "missing" for k in range(num_replicas - len(states))}
+        ready = sum(state == "ok" for state in states.values())
+        if not ready:
+            detail = ", ".join(f"{replica}: {state}" for replica, state in states.items())
+            raise APIError(503, f"no engine replica is serving ({detail})", "service_unavailable")
+        return {"status": "ok" if ready == len(states) else "degraded", "replicas": states}
 
     @app.get("/metrics")
     async def metrics():
-        snapshots = {}
-        for actor in ray.util.list_named_actors(all_namespaces=True):
-            if not actor["name"].startswith(SCHEDULER_PREFIX):
-                continue
-            try:
-                scheduler = ray.get_actor(actor["name"], namespace=actor["namespace"])
-                snapshot = await asyncio.wait_for(scheduler.snapshot.remote(), timeout=5)
-            except Exception:  # a replica going away or rebuilding: its series return with it
-                continue
-            snapshots[model_name, actor["name"].removeprefix(SCHEDULER_PREFIX)] = snapshot
-        return Response(render(snapshots), media_type=CONTENT_TYPE)
+        snapshots = await ask_replicas("snapshot", None)  # a replica without one: its series return with it
+        return Response(render({(model_name, r): s for r, s in snapshots.items() if s is not None}), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def get_version():
@@ -235,7 +245,7 @@ def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: 
         for item in done:
             failed(item.output)
         choices = [p.CompletionChoice(index=item.index * body.n + c.index, text=c.text, finish_reason=c.finish_reason,
-                                      logprobs=completion_logprobs(c, item.token_texts) if body.logprobs is not None else None)
+                                      logprobs=completion_logprobs(c.logprobs or (), c.token_texts or {}) if body.logprobs is not None else None)
                    for item in done for c in item.output.outputs]
         return p.CompletionResponse(id=rid, model=model_name, choices=choices, usage=usage([i.output for i in done]))
 
@@ -251,7 +261,7 @@ def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: 
         (item,) = await finals(items, 1)
         failed(item.output)
         choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                                logprobs=chat_logprobs(c, item.token_texts) if body.logprobs else None)
+                                logprobs=chat_logprobs(c.logprobs or (), c.token_texts or {}) if body.logprobs else None)
                    for c in item.output.outputs]
         return p.ChatCompletionResponse(id=rid, model=model_name, choices=choices, usage=usage([item.output]))
 
@@ -264,30 +274,38 @@ def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: 
         return f"data: {json.dumps(data)}\n\n"
 
     async def deltas(items: AsyncIterator[Progress], stops: tuple[str, ...]):
-        """(prompt index, output, completion, new text) each time a completion's text grows or it ends; an
-        ``APIError`` in place of the text when the engine failed."""
+        """(prompt index, output, completion, new text, its new logprob entries) each time a
+        completion gains tokens or ends; an ``APIError`` in place of the text when the engine failed."""
         streams: dict[tuple[int, int], TextStream] = {}
         try:
             async for item in items:
                 out = item.output
                 for c in out.outputs:
                     s = streams.setdefault((item.index, c.index), TextStream(stops))
-                    text = s.advance(c.text, c.finish_reason is not None)
+                    start = s.tokens
+                    text = s.advance(c.text, len(c.token_ids), c.finish_reason is not None)
                     if text is not None:
-                        yield item.index, out, c, text
+                        yield item.index, out, c, text, (c.logprobs or ())[start : s.tokens]
                 failed(out)
         except APIError as exc:
-            yield None, None, None, exc
+            yield None, None, None, exc, ()
 
     async def stream_completion(items, rid: str, body: p.CompletionRequest, count: int):
         finished: list[RequestOutput | None] = [None] * count
-        async for index, out, c, text in deltas(items, body.stops):
+        offsets: dict[tuple[int, int], int] = {}  # where each completion's next logprob token starts in its text
+        async for index, out, c, text, entries in deltas(items, body.stops):
             if isinstance(text, APIError):
                 yield event(json.loads(text.response().body))
                 break
             if out.finished:
                 finished[index] = out
-            choice = p.CompletionChoice(index=index * body.n + c.index, text=text, finish_reason=c.finish_reason)
+            logprobs = None
+            if body.logprobs is not None:
+                start = offsets.get((index, c.index), 0)
+                logprobs = completion_logprobs(entries, c.token_texts or {}, start)
+                offsets[index, c.index] = start + sum(map(len, logprobs.tokens))
+            choice = p.CompletionChoice(index=index * body.n + c.index, text=text, finish_reason=c.finish_reason,
+                                        logprobs=logprobs)
             yield event(p.CompletionResponse(id=rid, model=model_name, choices=[choice]))
         else:
             if body.stream_options and body.stream_options.include_usage:
@@ -299,12 +317,13 @@ def build_api(engine, settings: ServerSettings, model_name: str, max_model_len: 
         final = None
         yield event(p.ChatCompletionChunk(id=rid, model=model_name, choices=[
             p.ChatChunkChoice(index=k, delta=p.Delta(role="assistant", content="")) for k in range(body.n)]))
-        async for _, out, c, text in deltas(items, body.stops):
+        async for _, out, c, text, entries in deltas(items, body.stops):
             if isinstance(text, APIError):
                 yield event(json.loads(text.response().body))
                 break
             final = out if out.finished else final
-            choice = p.ChatChunkChoice(index=c.index, delta=p.Delta(content=text or None), finish_reason=c.finish_reason)
+            choice = p.ChatChunkChoice(index=c.index, delta=p.Delta(content=text or None), finish_reason=c.finish_reason,
+                                       logprobs=chat_logprobs(entries, c.token_texts or {}) if body.logprobs else None)
             yield event(p.ChatCompletionChunk(id=rid, model=model_name, choices=[choice]))
         else:
             if body.stream_options and body.stream_options.include_usage and final is not None:

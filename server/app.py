@@ -9,6 +9,7 @@ from pathlib import Path
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import EngineConfig
@@ -16,6 +17,8 @@ from cluster.config import model_config as model_config_of
 from server.api import BodyLimit, ServerSettings, build_api
 from server.args import ServeArgs
 from server.engine import EngineServer
+from server.outputs import OutputCollector
+from server.routing import STATS_PERIOD_S, KVAwareRouter
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class AppConfig:
     model_name: str | None = None  # default: the preset's name or the model directory's
     settings: ServerSettings = field(default_factory=ServerSettings)
     num_replicas: int = 1
+    ingress_replicas: int = 1
 
     @property
     def served_name(self) -> str:
@@ -34,12 +38,13 @@ class AppConfig:
 class OpenAIIngress:
     """The HTTP front: built once the engine can say what it serves."""
 
-    def __init__(self, engine: DeploymentHandle, settings: ServerSettings):
-        self.engine, self.settings = engine, settings
+    def __init__(self, engine: DeploymentHandle, settings: ServerSettings, num_replicas: int):
+        self.engine, self.settings, self.num_replicas = engine, settings, num_replicas
+        self.collector = OutputCollector(engine, "ingress-" + serve.get_replica_context().replica_id.unique_id)
 
     async def __serve_build_asgi_app__(self):
         info = await self.engine.model_info.remote()
-        app = build_api(self.engine, self.settings, info.name, info.max_model_len)
+        app = build_api(self.collector, self.settings, info.name, info.max_model_len, self.num_replicas)
         app.add_middleware(BodyLimit, limit=self.settings.max_body_bytes)
         return app
 
@@ -56,9 +61,14 @@ def build_app(config: AppConfig) -> Application:
     bundles = [{"CPU": 1.0}] + [worker] * (e.tensor_parallel_size * e.pipeline_parallel_size)
     engine = serve.deployment(EngineServer, name="VattnEngine", num_replicas=config.num_replicas,
                               ray_actor_options={"num_cpus": 1}, placement_group_bundles=bundles,
-                              placement_group_strategy=e.placement_strategy, max_ongoing_requests=100_000)
-    ingress = serve.deployment(OpenAIIngress, name="VattnIngress", max_ongoing_requests=100_000)
-    return ingress.bind(engine.bind(replace(e, device=device), config.served_name), config.settings)
+                              placement_group_strategy=e.placement_strategy, max_ongoing_requests=100_000,
+                              request_router_config=RequestRouterConfig(request_router_class=KVAwareRouter,
+                                                                        request_routing_stats_period_s=STATS_PERIOD_S))
+    if not isinstance(config.ingress_replicas, int) or config.ingress_replicas < 1:
+        raise ValueError(f"ingress_replicas must be an int >= 1, got {config.ingress_replicas!r}")
+    ingress = serve.deployment(OpenAIIngress, name="VattnIngress", num_replicas=config.ingress_replicas,
+                               max_ongoing_requests=100_000)
+    return ingress.bind(engine.bind(replace(e, device=device), config.served_name), config.settings, config.num_replicas)
 
 
 def app_builder(args: dict | ServeArgs) -> Application:
@@ -67,4 +77,4 @@ def app_builder(args: dict | ServeArgs) -> Application:
     a = ServeArgs.parse(args)
     engine = a.engine()
     model_config_of(engine.model)  # a missing model directory fails here, not in a replica
-    return build_app(AppConfig(engine, a.served_model_name, a.settings(), a.num_replicas))
+    return build_app(AppConfig(engine, a.served_model_name, a.settings(), a.num_replicas, a.ingress_replicas))

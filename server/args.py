@@ -33,6 +33,7 @@ class ServeArgs(BaseModel):
     device: Literal["cpu", "cuda"] | None = None
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     num_replicas: int = Field(1, ge=1)
+    ingress_replicas: int = Field(1, ge=1)  # HTTP front replicas: each takes a CPU, and SSE chunks cost CPU
     api_key: str | None = None
     max_body: int = 4 << 20
     max_n: int = Field(16, ge=1)

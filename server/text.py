@@ -2,33 +2,38 @@
 
 from __future__ import annotations
 
-from cluster.outputs import CompletionOutput
+from collections.abc import Sequence
+
+from worker.sampling import SampledToken
 from server import protocol as p
 
 
 class TextStream:
     """One completion's text as it grows. The engine's text so far can still change at its end: a byte
     sequence not yet a whole character decodes as U+FFFD, and the start of a stop string is cut once the
-    rest of it arrives. So a delta holds those back until they settle or the completion ends."""
+    rest of it arrives. So a delta holds those back until they settle or the completion ends. Every new
+    token still makes a delta (perhaps of no text), as vLLM's server does: clients see each step, and a
+    streamed token's logprobs go out with it."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
         self.sent = ""
+        self.tokens = 0  # tokens whose delta went out
         self.ended = False
 
-    def advance(self, text: str, finished: bool) -> str | None:
-        """The new text to send, "" to send only the end, or None when there is nothing to send."""
+    def advance(self, text: str, tokens: int, finished: bool) -> str | None:
+        """The new text to send ("" when only new tokens or the end moved), or None when nothing moved."""
         if self.ended:
             return None
         if not finished:
             text = text.rstrip("\ufffd")
             text = text[: len(text) - self._stop_prefix(text)]
-        if not text.startswith(self.sent):  # cannot happen given the hold-back; never resend
-            return None
-        delta = text[len(self.sent) :]
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""  # the hold-back never takes text back
+        moved = delta or finished or tokens > self.tokens
         self.sent += delta
+        self.tokens = max(self.tokens, tokens)
         self.ended = finished
-        return delta if delta or finished else None
+        return delta if moved else None
 
     def _stop_prefix(self, text: str) -> int:
         """Length of the longest end of ``text`` that begins a stop string."""
@@ -40,10 +45,10 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def completion_logprobs(c: CompletionOutput, texts: dict[int, str]) -> p.CompletionLogprobs:
+def completion_logprobs(entries: Sequence[SampledToken], texts: dict[int, str], offset: int = 0) -> p.CompletionLogprobs:
+    """``entries``: the tokens' logprobs; ``offset``: where the first token's text starts in the completion."""
     out = p.CompletionLogprobs()
-    offset = 0
-    for t in c.logprobs or ():
+    for t in entries:
         token = texts.get(t.token_id, "")
         out.tokens.append(token)
         out.token_logprobs.append(t.logprob)
@@ -53,9 +58,9 @@ def completion_logprobs(c: CompletionOutput, texts: dict[int, str]) -> p.Complet
     return out
 
 
-def chat_logprobs(c: CompletionOutput, texts: dict[int, str]) -> p.ChatLogprobs:
+def chat_logprobs(entries: Sequence[SampledToken], texts: dict[int, str]) -> p.ChatLogprobs:
     content = []
-    for t in c.logprobs or ():
+    for t in entries:
         token = texts.get(t.token_id, "")
         top = [p.TopLogprob(token=texts.get(i, ""), logprob=lp, bytes=_bytes(texts.get(i, "")))
                for i, lp in (t.top_logprobs or {}).items()]

@@ -7,10 +7,8 @@ from __future__ import annotations
 import random
 import re
 import time
-from dataclasses import replace
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
@@ -52,6 +50,26 @@ def demand(path: str, layout: str, tp: int, pp: int, prompts) -> int:
                           distributed="ray", **SMALL)
     spec = plan(config, model_config(path), "cpu").ledger_spec
     return sum(spec.physical_bytes_for(len(p) + NEW_TOKENS) for p in prompts)
+
+
+def test_a_consumers_poll_sees_requests_added_while_it_waits_and_no_one_elses():
+    """The HTTP ingress polls the outputs of its own requests by consumer name. One added while that poll already
+    waits is seen at its first token, not after the poll's timeout; another consumer's never is."""
+    three = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with LLM("tiny", distributed="ray", kv_memory=8 << 20, **SMALL) as llm:
+        actor = llm._engine.actor
+        waiting = actor.wait_outputs.remote(None, 30.0, "ingress-a")
+        time.sleep(0.5)  # the poll waits, its consumer has no request yet
+        start = time.monotonic()
+        ray.get(actor.add_requests.remote(["theirs"], [three], True, ["b1"], "ingress-b"))
+        ray.get(actor.add_requests.remote(["mine"], [three], True, ["a1"], "ingress-a"))
+        outputs = ray.get(waiting, timeout=30)
+        assert [o.request_id for o in outputs] == ["a1"] and time.monotonic() - start < 10
+        finals = {}
+        while len(finals) < 2:
+            for consumer in ("ingress-a", "ingress-b"):
+                finals |= {o.request_id: o for o in ray.get(actor.wait_outputs.remote(None, 5.0, consumer)) if o.finished}
+        assert sorted(finals) == ["a1", "b1"] and all(len(o.outputs[0].token_ids) == 3 for o in finals.values())
 
 
 @pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])

@@ -1,9 +1,12 @@
-"""Two engine replicas behind one ingress (data parallel): requests are spread over both, each replica has its
-own scheduler and workers, and each one's metrics carry its own ``replica`` label."""
+"""Two engine replicas behind one ingress (data parallel): requests are spread over both, a replica short of KV
+memory gets no new ones, each replica has its own scheduler and workers, and each one's metrics carry its own
+``replica`` label; /health speaks for both."""
 
 from __future__ import annotations
 
 import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,12 +15,14 @@ import ray
 
 from cluster.config import EngineConfig
 from server.app import AppConfig, build_app
+from server.routing import STATS_PERIOD_S
 from tests.server.conftest import serving
 
 
 @pytest.fixture(scope="module")
 def url():
-    engine = EngineConfig(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256, page_size=4096,
+    # 512 pages of 8 tokens: one long request holds a large share of a replica's KV memory
+    engine = EngineConfig(model="tiny", device="cpu", kv_memory=4 << 20, max_model_len=2048, page_size=4096,
                           distributed="ray")
     with serving(lambda: build_app(AppConfig(engine, num_replicas=2)), num_cpus=6) as base:
         yield base
@@ -42,3 +47,55 @@ def test_requests_spread_over_both_replicas_and_metrics_say_whose(url):
     assert sorted(workers) == sorted(done)  # each replica's own worker
     groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
     assert len(groups) == 2  # one per engine replica, its worker inside
+
+
+def per_replica(metrics: str, name: str) -> dict[str, float]:
+    return {m[0]: float(m[1]) for m in re.findall(rf'^vattn:{name}{{model_name="tiny",replica="(\w+)"}} (\S+)$', metrics, re.M)}
+
+
+def test_a_replica_short_of_kv_memory_gets_no_new_requests(url):
+    """One replica holds a long request (a quarter of its pages, then more); every request after it goes to the
+    other. (Serve's default router would pick at random here: a request is no Serve call while it runs.)"""
+    stop = threading.Event()
+
+    def hog() -> None:
+        body = {"model": "tiny", "prompt": "x" * 1000, "max_tokens": 1040, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return  # closing the stream aborts the request
+
+    thread = threading.Thread(target=hog)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            usage = per_replica(httpx.get(f"{url}/metrics").text, "kv_cache_usage_perc")
+            if full := [r for r, u in usage.items() if u > 0.2]:
+                break
+            assert time.monotonic() < deadline and thread.is_alive(), usage
+            time.sleep(0.05)
+        (full,) = full
+        time.sleep(3 * STATS_PERIOD_S)  # the router has the replica's report
+        before = per_replica(httpx.get(f"{url}/metrics").text, "prompt_tokens_total")
+
+        def small(k: int) -> int:
+            return httpx.post(f"{url}/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": f"small {k}", "max_tokens": 2, "temperature": 0}).status_code
+
+        with ThreadPoolExecutor(8) as pool:  # at once: by count alone the hog's replica soon looks the less loaded
+            assert list(pool.map(small, range(8))) == [200] * 8
+        after = per_replica(httpx.get(f"{url}/metrics").text, "prompt_tokens_total")
+        assert thread.is_alive()  # the hog ran all along
+    finally:
+        stop.set()
+        thread.join(60)
+    moved = {r: after.get(r, 0) - before.get(r, 0) for r in after}
+    assert moved[full] == 0 and sum(moved.values()) == 8 * len("small 0"), moved
+
+
+def test_health_speaks_for_every_replica(url):
+    r = httpx.get(f"{url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert len(r.json()["replicas"]) == 2 and set(r.json()["replicas"].values()) == {"ok"}

@@ -1,0 +1,105 @@
+"""OutputCollector: the ingress replica's side of its requests' outputs.
+
+A request goes to an engine replica (Serve routes the call), which queues it on its scheduler actor and names
+that actor. From then on the ingress polls the actor itself: one task per scheduler actor asks for the newest
+output of every request this ingress replica has there, and hands each to its call's queue. A step's tokens for
+all of an ingress's streams cost one actor call, not one Serve stream item per stream per token; under load a
+poll simply returns bigger outputs (outputs are cumulative), so a slow ingress falls behind by nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+
+from cluster.errors import EngineDeadError
+from cluster.outputs import RequestOutput
+from server.engine import Scheduler
+from worker.sampling import SamplingParams
+
+#: Seconds one poll waits for outputs before it asks again (a poll returns as soon as any request moves).
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One request of a call moved on."""
+
+    index: int  # which of the call's prompts
+    output: RequestOutput
+
+
+class OutputCollector:
+    """Sends calls to the engine deployment (``engine``: a Serve handle) and collects their outputs; ``consumer``:
+    this ingress replica's name at the scheduler actors."""
+
+    def __init__(self, engine, consumer: str):
+        self.engine, self.consumer = engine, consumer
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._live: dict[str, set[str]] = {}  # scheduler name -> requests of this ingress there
+        self._pollers: dict[str, asyncio.Task] = {}
+
+    async def generate(self, prompts: list, params: SamplingParams, stream: bool,
+                       chat: list[dict] | None = None) -> AsyncIterator[list[Progress]]:
+        """The call's requests' outputs as they progress (``stream``) or once at their end, in batches: all that
+        arrived since the caller last looked, each request's newest only. ``chat``: messages to put through the
+        model's chat template instead of ``prompts``. Bad input raises ``ValueError`` before anything is queued.
+        Closing the generator early aborts the requests still running (their memory is freed at once)."""
+        ids = [uuid.uuid4().hex for _ in (prompts if chat is None else [chat])]
+        queue: asyncio.Queue = asyncio.Queue()
+        for i in ids:
+            self._queues[i] = queue  # before the call: the first output may come before it returns
+        index = {request_id: k for k, request_id in enumerate(ids)}
+        live, scheduler = set(ids), None
+        try:
+            scheduler = await self.engine.add.remote(prompts, params, stream, chat, ids, self.consumer)
+            self._live.setdefault(scheduler.name, set()).update(ids)
+            self._poll(scheduler)
+            while live:
+                newest: dict[str, RequestOutput] = {}
+                out = await queue.get()
+                while True:
+                    if isinstance(out, BaseException):
+                        raise out
+                    newest[out.request_id] = out
+                    if queue.empty():
+                        break
+                    out = queue.get_nowait()
+                live.difference_update(i for i, o in newest.items() if o.finished)
+                yield [Progress(index[i], o) for i, o in newest.items()]
+        finally:
+            for i in ids:
+                self._queues.pop(i, None)
+            if scheduler is not None:
+                self._live.get(scheduler.name, set()).difference_update(ids)
+                for i in live:  # the caller went away (or the engine failed): free their memory now
+                    scheduler.actor.abort.remote(i)
+
+    def _poll(self, scheduler: Scheduler) -> None:
+        task = self._pollers.get(scheduler.name)
+        if task is None or task.done():
+            # In a context of its own: Ray cancels the calls a request made when the request is cancelled (a
+            # client gone), and this task's calls serve every request.
+            self._pollers[scheduler.name] = asyncio.get_running_loop().create_task(
+                self._collect(scheduler), context=contextvars.Context())
+
+    async def _collect(self, scheduler: Scheduler) -> None:
+        while self._live.get(scheduler.name):
+            try:
+                outputs = await scheduler.actor.wait_outputs.remote(None, POLL_S, self.consumer)
+            except ray.exceptions.TaskCancelledError:
+                continue  # not the engine's failure: ask again
+            except Exception as exc:  # the engine (or its replica) is dead: each of its requests hears why
+                error = exc.cause if isinstance(getattr(exc, "cause", None), EngineDeadError) else exc
+                for i in self._live.pop(scheduler.name, set()):
+                    if (queue := self._queues.get(i)) is not None:
+                        queue.put_nowait(error)
+                return
+            for out in outputs:
+                if (queue := self._queues.get(out.request_id)) is not None:  # else aborted: nobody waits
+                    queue.put_nowait(out)
