@@ -29,6 +29,7 @@ SERVING_COUNTERS = {
     "generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
     "num_preemptions": ("Sequences preempted (recompute or swap).", lambda s: s.num_preemptions),
     "num_engine_rebuilds": ("Times the worker group failed and was rebuilt.", lambda s: s.num_rebuilds),
+    "engine_step_seconds": ("Seconds spent in engine steps (scheduling and the workers' round trip).", lambda s: s.step_seconds),
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Seconds from arrival to the first token.",
