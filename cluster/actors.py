@@ -16,7 +16,7 @@ from cluster.engine_core import EngineCore, Prompt
 from cluster.errors import EngineDeadError, WorkerGroupError
 from cluster.outputs import RequestOutput
 from cluster.telemetry import EngineSnapshot
-from kvmem.stats import SlotAccounting
+from kvmem.stats import PageMap, SlotAccounting
 from worker.messages import StepInput, WorkerOutput
 from worker.sampling import SamplingParams
 from worker.tokenizer import load_tokenizer
@@ -68,6 +68,9 @@ class WorkerActor:
 
     def accounting(self) -> SlotAccounting:
         return self.worker.cache.accounting()
+
+    def page_map(self) -> PageMap:
+        return self.worker.cache.page_map()
 
     def close(self) -> None:
         if self.worker is not None:
@@ -221,6 +224,12 @@ class SchedulerActor:
     def snapshot(self) -> EngineSnapshot:
         with self._core_lock:
             return self.core.snapshot()
+
+    def page_maps(self) -> dict[tuple[int, int], PageMap]:
+        """Every worker's page map, by (pp_rank, tp_rank): what /dashboard draws."""
+        with self._core_lock:
+            maps = self.core.executor.page_maps()
+            return {(w.pp_rank, w.tp_rank): m for w, m in zip(self.core.plan.workers, maps, strict=True)}
 
     def worker_accounting(self) -> list[SlotAccounting]:
         """Every worker's slot accounting, and the ledger's last (tests check they agree)."""

@@ -17,7 +17,7 @@ from cluster.actors import WorkerActor
 from cluster.config import EnginePlan
 from cluster.errors import PlacementError, WorkerGroupError
 from cluster.executor import StepResult
-from kvmem.stats import SlotAccounting
+from kvmem.stats import PageMap, SlotAccounting
 from worker.messages import StepInput
 
 def _describe(exc: BaseException) -> str:
@@ -152,6 +152,10 @@ class RayExecutor:
 
     def execute(self, step: StepInput) -> StepResult:
         return self.submit(step).result()
+
+    def page_maps(self) -> list[PageMap]:
+        """Every worker's page map, in the plan's worker order."""
+        return ray.get([a.page_map.remote() for a in self._actors])
 
     def accounting(self) -> list[SlotAccounting]:
         """Every worker's slot accounting (the workers' threads answer between steps)."""

@@ -19,7 +19,7 @@ import torch
 
 from kvmem.errors import KVCacheError, KVCacheExhausted
 from kvmem.spec import KVCacheSpec
-from kvmem.stats import Counters, KVCacheStats, SlotAccounting
+from kvmem.stats import Counters, KVCacheStats, PageMap, SlotAccounting
 
 Page = Hashable
 
@@ -344,6 +344,16 @@ class SlotCache(ABC):
             return SlotAccounting(
                 tuple((s.in_use, s.tokens, len(s.pages)) for s in self._slots), self._free_pages(), self._num_shared
             )
+
+    def page_map(self) -> PageMap:
+        """Each slot's pages as ``PageMap`` draws them (a slot's pages map the start of its range, in order)."""
+        with self._lock:
+            rows = []
+            for s in self._slots:
+                used = self.spec.pages_for(s.tokens) if s.in_use else 0
+                cells = [("S" if self._refs.get(p, 0) > 1 else "U") if i < used else "M" for i, p in enumerate(s.pages)]
+                rows.append("".join(cells).ljust(self.spec.pages_for(self.spec.slot_tokens), "."))
+            return PageMap(self._page_bytes, tuple(rows), tuple(s.in_use for s in self._slots))
 
     def counters(self) -> tuple[int, int, float]:
         """(maps, unmaps, stall seconds) so far: cheap enough to read every step."""

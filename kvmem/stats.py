@@ -8,6 +8,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class PageMap:
+    """Every slot's virtual range, page by page, one character a page: ``U`` maps memory holding tokens, ``S`` the
+    same memory shared with another slot (a forked prefix, copy-on-write), ``M`` maps memory holding no token (a
+    slot's tail, or pages a free slot keeps for its next request), ``.`` is reserved address space only."""
+
+    page_bytes: int  # of one page in one buffer
+    slots: tuple[str, ...]
+    in_use: tuple[bool, ...]
+
+    def count(self, state: str) -> int:
+        return sum(s.count(state) for s in self.slots)
+
+
+@dataclass(frozen=True)
 class KVCacheStats:
     """A snapshot of a cache's memory and mapping activity. Bytes are over all buffers."""
 

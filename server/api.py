@@ -17,13 +17,16 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.errors import EngineDeadError
 from cluster.outputs import RequestOutput
 from server import protocol as p
+from server.dashboard import CSP as DASHBOARD_CSP
+from server.dashboard import MemoryHistory
+from server.dashboard import render as render_dashboard
 from server.engine import scheduler_actors
 from server.metrics import CONTENT_TYPE, render
 from server.outputs import OutputCollector, Progress
@@ -222,6 +225,17 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
     async def metrics():
         snapshots = await ask_replicas("snapshot", None)  # a replica without one: its series return with it
         return Response(render({(model_name, r): s for r, s in snapshots.items() if s is not None}), media_type=CONTENT_TYPE)
+
+    history = MemoryHistory()
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard():
+        """A live page of the KV memory (``server.dashboard``); no API key, like /metrics."""
+        snapshots = {r: s for r, s in (await ask_replicas("snapshot", None)).items() if s is not None}
+        maps = {r: m for r, m in (await ask_replicas("page_maps", None)).items() if m is not None}
+        history.add(snapshots)
+        page = render_dashboard(model_name, snapshots, maps, history)
+        return HTMLResponse(page, headers={"Content-Security-Policy": DASHBOARD_CSP, "Cache-Control": "no-store"})
 
     @app.get("/version")
     async def get_version():

@@ -323,3 +323,22 @@ def test_rows_address_the_same_memory_as_the_views(cache_factory, layout):
     assert torch.equal(k_rows[index], cache.k(1)[slot, 2 : tpp + 3])
     assert torch.equal(v_rows[index], cache.v(1)[slot, 2 : tpp + 3])
     assert int(index[0]) == slot * cache.spec.slot_tokens + 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_page_map_draws_used_shared_kept_and_reserved_pages(cache_factory, layout):
+    cache = cache_factory(layout)
+    tpp, per_slot = tokens_per_page(cache), cache.spec.pages_per_slot
+    src = cache.alloc_slot()
+    cache.ensure(src, 2 * tpp + 1)  # three pages, all holding tokens
+    dst = cache.alloc_slot()
+    cache.share_prefix(src, dst, 2 * tpp)  # dst shares src's first two
+    gone = cache.alloc_slot()
+    cache.ensure(gone, tpp)
+    cache.free_slot(gone)  # keeps its page when the cache defers reclamation
+    m = cache.page_map()
+    assert m.slots[src] == "SSU".ljust(per_slot, ".") and m.slots[dst] == "SS".ljust(per_slot, ".")
+    kept = "M" if cache.keeps_pages_on_free else ""
+    assert m.slots[gone] == kept.ljust(per_slot, ".") and not m.in_use[gone]
+    assert all(row == "." * per_slot for k, row in enumerate(m.slots) if k not in (src, dst, gone))
+    assert m.count("S") == 4 and m.page_bytes == cache.spec.page_bytes

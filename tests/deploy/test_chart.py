@@ -1,0 +1,150 @@
+"""The Helm chart as Helm's own engine (the Go library, through helm-python-sdk) lints and renders it, with the
+default values and with the TP=2 x PP=2 values file: every rendered object valid against the Kubernetes schemas
+(kubernetes-validate) or its CRD's schema (RayService, ServiceMonitor, PodMonitor, PrometheusRule), and the
+``serveConfigV2`` it renders, taken out of the RayService, started with Ray Serve on CPU: it answers a completion."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from ray._common.utils import import_attr
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.schema import ServeDeploySchema
+
+helm = pytest.importorskip("helm_python")
+
+from tests.server.conftest import serving  # noqa: E402
+
+ROOT = Path(__file__).parents[2]
+CHART = ROOT / "helm" / "vattn"
+CRDS = Path(__file__).parent / "crds"
+KUBERNETES = "1.30"
+TP2PP2 = yaml.safe_load((CHART / "values-tp2pp2.yaml").read_text())
+VALUE_SETS = {"default": {}, "tp2pp2": TP2PP2}
+
+
+def strict(schema):
+    """``schema`` refusing unknown fields, as kubeconform's strict mode does: the API server would prune a
+    misspelt field silently (a ``workerGroupSpec`` that never makes a worker)."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [strict(v) for v in schema]
+    return schema
+
+
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the CRD's openAPIV3Schema, strict."""
+    out = {}
+    for path in CRDS.glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        for version in crd["spec"]["versions"]:
+            out[f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"]] = strict(version["schema"]["openAPIV3Schema"])
+    return out
+
+
+def render(values: dict, namespace: str = "llm") -> list[dict]:
+    manifests = helm.Chart.load(CHART).render(values, name="vattn", namespace=namespace)
+    return [doc for path, text in manifests.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def one(objects: list[dict], kind: str) -> dict:
+    (obj,) = [o for o in objects if o["kind"] == kind]
+    return obj
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_lint_is_clean(values):
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBERNETES}.0")
+    assert report["errors"] == [] and report["messages"] == [], report
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_every_rendered_object_is_valid(values):
+    schemas = crd_schemas()
+    objects = render(values)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == ["ConfigMap", "ConfigMap", "Pod", "PodMonitor", "PrometheusRule", "RayService", "Service", "ServiceMonitor"]
+    for obj in objects:
+        schema = schemas.get((obj["apiVersion"], obj["kind"]))
+        if schema is not None:
+            # Not jsonschema.validate: it checks the schema first, and the CRDs' patterns are Go's regexps
+            # (``^(?i)...``), which only matter where an object has that field.
+            errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in jsonschema.Draft7Validator(schema).iter_errors(obj)]
+            assert not errors, f"{obj['kind']} {obj['metadata']['name']}: {errors}"
+        else:
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+
+
+def test_a_replica_pod_asks_for_tp_times_pp_gpus_and_the_serve_config_says_so():
+    for values, gpus in ((VALUE_SETS["default"], "1"), (TP2PP2, "4")):
+        service = one(render(values), "RayService")
+        (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+        args = app["args"]
+        assert args["tensor_parallel_size"] * args["pipeline_parallel_size"] == int(gpus)
+    assert args["model"] == "/models/yi-34b-chat" and args["kv_memory"] == "30GiB"
+
+
+def test_the_api_key_comes_from_the_secret_into_every_ray_pod_and_the_test_pod():
+    objects = render({"apiKey": {"secretName": "vattn-key", "secretKey": "token"}})
+    service = one(objects, "RayService")["spec"]["rayClusterConfig"]
+    pods = [service["headGroupSpec"]["template"], service["workerGroupSpecs"][0]["template"], {"spec": one(objects, "Pod")["spec"]}]
+    for pod in pods:
+        (key,) = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "VATTN_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"] == {"name": "vattn-key", "key": "token"}
+    assert "api_key" not in one(objects, "RayService")["spec"]["serveConfigV2"]  # never in the CR itself
+
+
+def test_the_rules_and_dashboards_are_the_repositorys_own():
+    objects = render({})
+    rules = yaml.safe_load((ROOT / "dashboards" / "rules.yaml").read_text())
+    assert one(objects, "PrometheusRule")["spec"] == rules
+    maps = {name: json.loads(text) for o in objects if o["kind"] == "ConfigMap" for name, text in o["data"].items()}
+    assert maps == {p.name: json.loads(p.read_text()) for p in (ROOT / "dashboards").glob("*.json")}
+    assert all(o["metadata"]["labels"]["grafana_dashboard"] == "1" for o in objects if o["kind"] == "ConfigMap")
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"engine": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+    ({"engine": {"kvLayout": "blocks"}}, "kvLayout"),
+    ({"engine": {"kvMemory": "lots"}}, "kvMemory"),
+    ({"model": {"volume": {"type": "nfs"}}}, "type"),
+    ({"serve": {"replicas": 2}}, "replicas"),
+])
+def test_bad_values_are_refused_by_the_schema_naming_them(values, message):
+    with pytest.raises(helm.HelmError, match=message):
+        helm.Chart.load(CHART).render(values, name="vattn", namespace="llm")
+
+
+def test_the_rendered_serve_config_serves_on_cpu():
+    """What the cluster would run, run for real: the chart rendered for the ``tiny`` preset on CPU (no model
+    volume, small KV memory), its serveConfigV2 validated by Ray Serve's own schema and started."""
+    values = {"model": {"path": "tiny", "servedName": "tiny", "volume": {"type": "none"}},
+              "engine": {"device": "cpu", "kvMemory": "64MiB", "pageSize": "4KiB", "maxModelLen": 256, "maxNumSeqs": 16}}
+    config = ServeDeploySchema.model_validate(yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"]))
+    assert config.proxy_location == "HeadOnly"
+    (app,) = config.applications
+    build = import_attr(app.import_path)
+    # The config's http_options (0.0.0.0:8000) are the pod's; here the app runs on a free loopback port.
+    with serving(lambda: call_user_app_builder_with_args_if_necessary(build, app.args), name=app.name,
+                 route_prefix=app.route_prefix) as url:
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
