@@ -10,6 +10,9 @@ import ray
 from ray import serve
 from ray.serve import Application
 
+from cluster.config import EngineConfig
+from server.app import AppConfig, build_app
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -29,3 +32,9 @@ def serving(build: Callable[[], Application], num_cpus: int = 4, **run) -> Itera
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def tiny_app() -> Application:
+    """The ``tiny`` preset on CPU, one engine replica: what the metrics and dashboard tests scrape."""
+    return build_app(AppConfig(EngineConfig(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256,
+                                            page_size=4096, distributed="ray")))

@@ -12,9 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.config import EngineConfig
-from server.app import AppConfig, build_app
-from tests.server.conftest import free_port, serving
+from tests.server.conftest import free_port, serving, tiny_app
 
 DOC = Path(__file__).parents[2] / "docs" / "metrics.md"
 PROMETHEUS = shutil.which("prometheus")
@@ -27,9 +25,7 @@ def documented() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = EngineConfig(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256, page_size=4096,
-                          distributed="ray")
-    with serving(lambda: build_app(AppConfig(engine))) as url:
+    with serving(tiny_app) as url:
         yield url.removeprefix("http://")
 
 

@@ -1,0 +1,150 @@
+"""The Grafana dashboards (``dashboards/build.py``): the committed JSON is a fresh build, every panel queries only
+documented metrics through the dashboard's variables, and a real Prometheus (Debian's) scraping a live server under
+traffic returns data for every panel's query and every variable. No Grafana runs here: the test substitutes the
+variables as Grafana would for "All" (``.*``) or one model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.prometheus import PROMETHEUS, prometheus
+from tests.server.conftest import serving, tiny_app
+
+ROOT = Path(__file__).parents[2]
+DOC = ROOT / "docs" / "metrics.md"
+METRIC = re.compile(r"vattn:[a-z0-9_:]+")
+# Grafana's $__rate_interval is at least four scrape intervals; 30s keeps a few seconds of traffic in the window.
+RATE_INTERVAL = "30s"
+VARIABLE_VALUES = {"namespace": [], "model": ["tiny"], "pp_rank": ["0"], "tp_rank": ["0"]}
+
+
+def load_build():
+    spec = importlib.util.spec_from_file_location("dashboards_build", ROOT / "dashboards" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILD = load_build()
+DASHBOARDS = {name: json.loads(text) for name, text in BUILD.render().items()}
+
+
+def documented() -> set[str]:
+    """The metric names ``docs/metrics.md`` tabulates."""
+    return set(re.findall(r"^\| `(vattn:[a-z0-9_:]+)` \|", DOC.read_text(), re.M))
+
+
+def panels(dashboard: dict) -> list[dict]:
+    """Every panel but the row headers, those inside collapsed rows included."""
+    out = []
+    for p in dashboard["panels"]:
+        out += p.get("panels", []) if p["type"] == "row" else [p]
+    return out
+
+
+def exprs(panel: dict) -> list[str]:
+    return [t["expr"] for t in panel.get("targets", []) if t.get("expr")]
+
+
+def substitute(text: str, model: str) -> str:
+    """``text`` with the dashboard variables replaced as Grafana does for "All" everywhere but ``$model``."""
+    values = {"__rate_interval": RATE_INTERVAL, "model": model}
+    out = re.sub(r"\$(\w+)", lambda m: values.get(m.group(1), ".*"), text)
+    assert "$" not in out, out
+    return out
+
+
+def test_the_committed_json_is_a_fresh_build():
+    for name, text in BUILD.render().items():
+        assert (ROOT / "dashboards" / name).read_text() == text, f"run: python dashboards/build.py ({name} is stale)"
+    assert BUILD.main(["--check"]) == 0
+
+
+def test_dashboards_identity_and_variables():
+    assert {d["uid"] for d in DASHBOARDS.values()} == {"vattn-kv-memory", "vattn-serving"}
+    for name, d in DASHBOARDS.items():
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+        expected = {"datasource", "namespace", "model"} | ({"replica", "pp_rank", "tp_rank"} if name == "kv-memory.json"
+                                                            else set())
+        assert set(variables) == expected, name
+        for v in variables.values():
+            if v["type"] == "query":
+                assert v["includeAll"] and v["multi"] and v["allValue"] == ".*", v["name"]
+                assert v["datasource"]["uid"] == "${datasource}", v["name"]
+
+
+def test_every_panel_queries_documented_metrics_through_the_variables():
+    names, problems = documented(), []
+    for name, d in DASHBOARDS.items():
+        for p in panels(d):
+            if not exprs(p):
+                problems.append(f"{name} {p['title']!r}: no query")
+            if p["datasource"]["uid"] != "${datasource}" or not p.get("description") \
+                    or not p["fieldConfig"]["defaults"].get("unit"):
+                problems.append(f"{name} {p['title']!r}: datasource, description or unit missing")
+            for expr in exprs(p):
+                used = {re.sub(r"_(bucket|count|sum)$", "", m) for m in METRIC.findall(expr)}
+                if used - names:
+                    problems.append(f"{name} {p['title']!r}: undocumented {sorted(used - names)}")
+                # every selector filters by namespace and model (a metric name is always followed by its selector)
+                for selector in re.findall(r"vattn:[a-z0-9_:]+(\{[^}]*\})?", expr):
+                    if 'namespace=~"$namespace"' not in selector or 'model_name=~"$model"' not in selector:
+                        problems.append(f"{name} {p['title']!r}: unfiltered selector in {expr}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving(tiny_app) as url:
+        yield url.removeprefix("http://")
+
+
+def traffic(target: str) -> None:
+    for k in range(4):
+        r = httpx.post(f"http://{target}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "dashboard " * (k + 1), "max_tokens": 12, "temperature": 0, "n": 1 + k % 2})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (apt-get install prometheus)")
+def test_every_panel_returns_data_from_a_live_server(server, tmp_path):
+    with prometheus(server, tmp_path) as prom:
+        # rates need two samples in the window, and some traffic in it to be more than zero
+        moving = f"rate(vattn:generation_tokens_total[{RATE_INTERVAL}]) > 0"
+        deadline = time.monotonic() + 90
+        while not prom.query(moving) and time.monotonic() < deadline:
+            traffic(server)
+            time.sleep(1)
+        assert prom.query(moving), "no generation tokens reached Prometheus"
+        traffic(server)
+        time.sleep(2.5)  # two scrapes
+
+        empty = []
+        for name, d in DASHBOARDS.items():
+            for model in ("tiny", ".*"):
+                for p in panels(d):
+                    for expr in exprs(p):
+                        q = substitute(expr, model)
+                        if not prom.query(q):
+                            empty.append(f"{name} {p['title']!r} (model {model}): {q}")
+        assert not empty, "panels without data:\n" + "\n".join(empty)
+
+        # the variables' own queries list what the panels filter on; no namespace label outside Kubernetes (hence
+        # All = .*), one engine replica of one worker here
+        for d in DASHBOARDS.values():
+            for v in d["templating"]["list"]:
+                if v["type"] == "query":
+                    match, label = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"]).groups()
+                    values = prom.label_values(label, substitute(match, "tiny"))
+                    if v["name"] == "replica":
+                        assert len(values) == 1, values
+                    else:
+                        assert values == VARIABLE_VALUES[v["name"]], (v["name"], values)
