@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.prometheus import PROMETHEUS, prometheus
+from tests.prometheus import PROMETHEUS, prometheus
 from tests.server.conftest import serving, tiny_app
 
 ROOT = Path(__file__).parents[2]

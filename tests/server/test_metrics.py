@@ -4,18 +4,16 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, serving, tiny_app
+from tests.prometheus import PROMETHEUS, prometheus
+from tests.server.conftest import serving, tiny_app
 
 DOC = Path(__file__).parents[2] / "docs" / "metrics.md"
-PROMETHEUS = shutil.which("prometheus")
 
 
 def documented() -> dict[str, str]:
@@ -48,22 +46,8 @@ def test_what_metrics_exposes_is_documented(server):
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (make test installs it where it can)")
 def test_prometheus_scrapes_every_documented_metric(server, tmp_path):
-    port = free_port()
-    (tmp_path / "prometheus.yml").write_text(
-        f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: vattn\n"
-        f"    static_configs: [{{targets: ['{server}']}}]\n")
-    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        api = f"http://127.0.0.1:{port}/api/v1"
-
-        def query(q: str) -> list:
-            try:
-                r = httpx.get(f"{api}/query", params={"query": q}, timeout=10)
-            except httpx.TransportError:  # still starting
-                return []
-            return r.json()["data"]["result"] if r.status_code == 200 else []
-
+    with prometheus(server, tmp_path) as prom:
+        query = prom.query
         deadline = time.monotonic() + 60
         while not query("vattn:generation_tokens_total > 0") and time.monotonic() < deadline:
             traffic(server)
@@ -84,6 +68,3 @@ def test_prometheus_scrapes_every_documented_metric(server, tmp_path):
         assert float(query("sum(vattn:kv_pages_mapped_total)")[0]["value"][1]) > 0
         (worker,) = query("vattn:kv_mapped_bytes")
         assert worker["metric"]["pp_rank"] == "0" and worker["metric"]["model_name"] == "tiny"
-    finally:
-        prom.terminate()
-        prom.wait(timeout=30)

@@ -1,4 +1,4 @@
-"""Debian's ``prometheus`` scraping one target, for the tests that check queries against live data."""
+"""Debian's ``prometheus`` scraping one target, for the tests that check metrics and queries against live data."""
 
 from __future__ import annotations
 
