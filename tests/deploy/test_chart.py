@@ -69,12 +69,8 @@ def test_lint_is_clean(values):
     assert report["errors"] == [] and report["messages"] == [], report
 
 
-@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
-def test_every_rendered_object_is_valid(values):
+def assert_valid(objects: list[dict]) -> None:
     schemas = crd_schemas()
-    objects = render(values)
-    kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ConfigMap", "ConfigMap", "Pod", "PodMonitor", "PrometheusRule", "RayService", "Service", "ServiceMonitor"]
     for obj in objects:
         schema = schemas.get((obj["apiVersion"], obj["kind"]))
         if schema is not None:
@@ -84,6 +80,25 @@ def test_every_rendered_object_is_valid(values):
             assert not errors, f"{obj['kind']} {obj['metadata']['name']}: {errors}"
         else:
             kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_every_rendered_object_is_valid(values):
+    objects = render(values)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == ["ConfigMap", "ConfigMap", "Pod", "PodMonitor", "PrometheusRule", "RayService", "Service", "ServiceMonitor"]
+    assert_valid(objects)
+
+
+def test_without_the_monitoring_stack_or_a_model_volume_the_objects_stay_valid():
+    off = {"enabled": False}
+    objects = render({"model": {"volume": {"type": "none"}}, "ncclEnv": {}, "serve": {"numReplicas": 3},
+                      "monitoring": {"serviceMonitor": off, "podMonitor": off, "prometheusRule": off},
+                      "grafana": {"dashboards": off}})
+    assert sorted(o["kind"] for o in objects) == ["Pod", "RayService", "Service"]
+    assert_valid(objects)
+    (group,) = one(objects, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 3
 
 
 def test_a_replica_pod_asks_for_tp_times_pp_gpus_and_the_serve_config_says_so():
