@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -91,6 +92,13 @@ class BodyLimit:
         await APIError(413, f"request body over {self.limit} bytes").response()(scope, receive, send)
 
 
+async def closed(outputs) -> None:
+    """Close ``outputs`` (which aborts its requests) even from a cancelled task: Starlette cancels a stream's task
+    when its client goes away, and under anyio every await in a cancelled scope would raise at once."""
+    with anyio.CancelScope(shield=True):
+        await outputs.aclose()
+
+
 def _cause(exc: BaseException) -> BaseException:
     """The replica's own exception behind Ray's wrapper."""
     cause = getattr(exc, "cause", None)
@@ -161,7 +169,7 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
             first = await outputs.__anext__()
         except BaseException as exc:
             pending -= 1
-            await outputs.aclose()
+            await closed(outputs)
             if isinstance(exc, StopAsyncIteration):
                 raise APIError(503, "the engine ended the request without output", "service_unavailable") from None
             raise _engine_error(exc) from None
@@ -178,7 +186,7 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
                 raise _engine_error(exc) from None
             finally:
                 pending -= 1
-                await outputs.aclose()  # a client gone mid-stream: what still runs is aborted
+                await closed(outputs)  # a client gone mid-stream: what still runs is aborted
 
         return items()
 
