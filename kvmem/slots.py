@@ -347,12 +347,13 @@ class SlotCache(ABC):
 
     def page_map(self) -> PageMap:
         """Each slot's pages as ``PageMap`` draws them (a slot's pages map the start of its range, in order)."""
+        width = self.spec.pages_for(self.spec.slot_tokens)
         with self._lock:
             rows = []
             for s in self._slots:
                 used = self.spec.pages_for(s.tokens) if s.in_use else 0
                 cells = [("S" if self._refs.get(p, 0) > 1 else "U") if i < used else "M" for i, p in enumerate(s.pages)]
-                rows.append("".join(cells).ljust(self.spec.pages_for(self.spec.slot_tokens), "."))
+                rows.append("".join(cells).ljust(width, "."))
             return PageMap(self._page_bytes, tuple(rows), tuple(s.in_use for s in self._slots))
 
     def counters(self) -> tuple[int, int, float]:

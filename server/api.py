@@ -239,8 +239,9 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard():
         """A live page of the KV memory (``server.dashboard``); no API key, like /metrics."""
-        snapshots = {r: s for r, s in (await ask_replicas("snapshot", None)).items() if s is not None}
-        maps = {r: m for r, m in (await ask_replicas("page_maps", None)).items() if m is not None}
+        snapshots, maps = await asyncio.gather(ask_replicas("snapshot", None), ask_replicas("page_maps", None))
+        snapshots = {r: s for r, s in snapshots.items() if s is not None}
+        maps = {r: m for r, m in maps.items() if m is not None}
         history.add(snapshots)
         page = render_dashboard(model_name, snapshots, maps, history)
         return HTMLResponse(page, headers={"Content-Security-Policy": DASHBOARD_CSP, "Cache-Control": "no-store"})

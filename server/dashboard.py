@@ -17,7 +17,7 @@ LABELS = {"U": "mapped, holds tokens", "S": "shared with another slot (copy-on-w
           ".": "reserved only (no memory)"}
 SERIES = {"mapped": "#ef6c00", "used": "#2e7d32", "pool": "#1565c0"}
 WIDTH = 900
-#: The memory time series keeps this many samples (one per page load or per second while loaded).
+#: The memory time series keeps this many samples (one per page load: the page reloads every 2 s).
 HISTORY = 300
 #: Content-Security-Policy of the page: it may load nothing at all, inline styles aside.
 CSP = "default-src 'none'; style-src 'unsafe-inline'"

@@ -43,7 +43,7 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
-class Scheduler:
+class SchedulerRef:
     """Where a call's requests went: the replica's scheduler actor and its name."""
 
     name: str
@@ -60,11 +60,11 @@ class EngineServer:
         replica = serve.get_replica_context().replica_id.unique_id
         self.engine = RayEngine(config, Placement(group) if group is not None else None, SCHEDULER_PREFIX + replica)
         self.info = ModelInfo(model_name, self.engine.max_model_len)
-        self.scheduler = Scheduler(SCHEDULER_PREFIX + replica, self.engine.actor)
+        self.scheduler = SchedulerRef(SCHEDULER_PREFIX + replica, self.engine.actor)
         self._reports = 0
 
     async def add(self, prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None,
-                  request_ids: list[str], consumer: str) -> Scheduler:
+                  request_ids: list[str], consumer: str) -> SchedulerRef:
         """Queue ``prompts`` (or ``chat``: messages put through the model's chat template) under the caller's
         ``request_ids``; their outputs go to ``consumer``'s polls of the returned scheduler. Bad input raises
         ``ValueError`` before anything is queued."""
@@ -79,10 +79,6 @@ class EngineServer:
         self._reports += 1
         return {"kv_free": 1.0 - snap.kv_usage, "running": snap.num_running, "waiting": snap.num_waiting,
                 "report": self._reports}
-
-    async def health(self) -> str:
-        """"ok", "rebuilding" or "dead" (see ``SchedulerActor.health``)."""
-        return await self.engine.actor.health.remote()
 
     async def model_info(self) -> ModelInfo:
         return self.info

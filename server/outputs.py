@@ -19,7 +19,7 @@ import ray
 
 from cluster.errors import EngineDeadError
 from cluster.outputs import RequestOutput
-from server.engine import Scheduler
+from server.engine import SchedulerRef
 from worker.sampling import SamplingParams
 
 #: Seconds one poll waits for outputs before it asks again (a poll returns as soon as any request moves).
@@ -80,7 +80,7 @@ class OutputCollector:
                 for i in live:  # the caller went away (or the engine failed): free their memory now
                     scheduler.actor.abort.remote(i)
 
-    def _poll(self, scheduler: Scheduler) -> None:
+    def _poll(self, scheduler: SchedulerRef) -> None:
         task = self._pollers.get(scheduler.name)
         if task is None or task.done():
             # In a context of its own: Ray cancels the calls a request made when the request is cancelled (a
@@ -88,7 +88,7 @@ class OutputCollector:
             self._pollers[scheduler.name] = asyncio.get_running_loop().create_task(
                 self._collect(scheduler), context=contextvars.Context())
 
-    async def _collect(self, scheduler: Scheduler) -> None:
+    async def _collect(self, scheduler: SchedulerRef) -> None:
         while self._live.get(scheduler.name):
             try:
                 outputs = await scheduler.actor.wait_outputs.remote(None, POLL_S, self.consumer)

@@ -11,11 +11,10 @@ import re
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.prometheus import PROMETHEUS, prometheus
-from tests.server.conftest import serving, tiny_app
+from tests.server.conftest import send_completions, tiny_server
 
 ROOT = Path(__file__).parents[2]
 DOC = ROOT / "docs" / "metrics.md"
@@ -103,15 +102,12 @@ def test_every_panel_queries_documented_metrics_through_the_variables():
 
 @pytest.fixture(scope="module")
 def server():
-    with serving(tiny_app) as url:
-        yield url.removeprefix("http://")
+    with tiny_server() as target:
+        yield target
 
 
 def traffic(target: str) -> None:
-    for k in range(4):
-        r = httpx.post(f"http://{target}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "dashboard " * (k + 1), "max_tokens": 12, "temperature": 0, "n": 1 + k % 2})
-        assert r.status_code == 200, r.text
+    send_completions(target, "dashboard", 4)
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (apt-get install prometheus)")

@@ -6,6 +6,7 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import httpx
 import ray
 from ray import serve
 from ray.serve import Application
@@ -34,7 +35,19 @@ def serving(build: Callable[[], Application], num_cpus: int = 4, **run) -> Itera
         ray.shutdown()
 
 
-def tiny_app() -> Application:
-    """The ``tiny`` preset on CPU, one engine replica: what the metrics and dashboard tests scrape."""
-    return build_app(AppConfig(EngineConfig(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256,
-                                            page_size=4096, distributed="ray")))
+@contextmanager
+def tiny_server() -> Iterator[str]:
+    """The ``tiny`` preset on CPU, one engine replica, served; yields its ``host:port`` (what the metrics and
+    dashboard tests point Prometheus at)."""
+    engine = EngineConfig(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256, page_size=4096,
+                          distributed="ray")
+    with serving(lambda: build_app(AppConfig(engine))) as url:
+        yield url.removeprefix("http://")
+
+
+def send_completions(target: str, word: str, count: int) -> None:
+    """``count`` greedy completions of 12 tokens, every other one with n=2 (so both counters and forks move)."""
+    for k in range(count):
+        r = httpx.post(f"http://{target}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": f"{word} " * (k + 1), "max_tokens": 12, "temperature": 0, "n": 1 + k % 2})
+        assert r.status_code == 200, r.text

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.prometheus import PROMETHEUS, prometheus
-from tests.server.conftest import serving, tiny_app
+from tests.server.conftest import send_completions, tiny_server
 
 DOC = Path(__file__).parents[2] / "docs" / "metrics.md"
 
@@ -23,15 +23,12 @@ def documented() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    with serving(tiny_app) as url:
-        yield url.removeprefix("http://")
+    with tiny_server() as target:
+        yield target
 
 
 def traffic(target: str) -> None:
-    for k in range(6):
-        r = httpx.post(f"http://{target}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "metrics " * (k + 1), "max_tokens": 12, "temperature": 0, "n": 1 + k % 2})
-        assert r.status_code == 200, r.text
+    send_completions(target, "metrics", 6)
 
 
 def test_what_metrics_exposes_is_documented(server):
