@@ -77,8 +77,10 @@ class OutputCollector:
                 self._queues.pop(i, None)
             if scheduler is not None:
                 self._live.get(scheduler.name, set()).difference_update(ids)
-                for i in live:  # the caller went away (or the engine failed): free their memory now
-                    scheduler.actor.abort.remote(i)
+                # The caller went away (or the engine failed): free their memory now. From a context of its own:
+                # when Serve cancels a request (its client gone) Ray also cancels the calls the request made, and
+                # an abort sent from the request's context is cancelled with it if it has not run yet.
+                contextvars.Context().run(lambda: [scheduler.actor.abort.remote(i) for i in live])
 
     def _poll(self, scheduler: SchedulerRef) -> None:
         task = self._pollers.get(scheduler.name)

@@ -170,19 +170,20 @@ def test_transport_level_errors(url):
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
 
 
-def test_a_client_that_goes_away_mid_stream_frees_its_request(url):
+def test_clients_that_go_away_mid_stream_free_their_requests(url):
+    # Twenty hang-ups: the abort once lost a race with Ray cancelling the gone request's own calls (1 in ~20).
     body = {"model": "tiny", "prompt": "long", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
-    steps = engine_snapshot().num_steps
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["choices"]
-    deadline = time.monotonic() + 20
-    while (snap := engine_snapshot()).requests and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert snap.requests == () and snap.num_running == 0
-    assert snap.num_steps - steps < 120  # aborted: it never ran its 240 steps
-    assert all(w.slots_in_use == 0 for w in snap.workers)
+    for _ in range(20):
+        steps = engine_snapshot().num_steps
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"]
+        deadline = time.monotonic() + 20
+        while (snap := engine_snapshot()).requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert snap.requests == () and snap.num_running == 0
+        assert snap.num_steps - steps < 120  # aborted: it never ran its 240 steps
+        assert all(w.slots_in_use == 0 for w in snap.workers)
 
 
 def test_the_workers_live_in_the_engine_replicas_placement_group(url):
