@@ -53,6 +53,12 @@ class WorkerActor:
         # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
         self._hidden_device = torch.device("cuda", 0) if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
 
+    def kv_memory_available(self, fraction: float, sharers: int) -> int:
+        return self.worker.kv_memory_available(fraction, sharers)
+
+    def allocate(self, pool_bytes: int) -> None:
+        self.worker.allocate(pool_bytes)
+
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None):
         """The step; a stage before the last returns its hidden states for the next one (on its GPU when
         one next-stage reader takes them over NCCL, else in host memory)."""
@@ -126,7 +132,7 @@ class SchedulerActor:
             tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
             executor = RayExecutor(engine_plan, placement=placement)
             try:
-                self.core = EngineCore(engine_plan, executor, tokenizer)
+                self.core = EngineCore(executor.plan, executor, tokenizer)
             except BaseException:
                 executor.close()  # no worker outlives a failed start
                 raise

@@ -62,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-layout", choices=LAYOUTS, default="mega")
     parser.add_argument("--attention", choices=BACKENDS)
-    parser.add_argument("--kv-memory", type=_size, default=1 << 30, help="physical KV pool per worker, e.g. 512MiB or 20GiB")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--kv-memory", type=_size, help="physical KV pool per worker, e.g. 512MiB or 20GiB (default 1GiB)")
+    size.add_argument("--kv-memory-fraction", type=float,
+                      help="instead: this share of each worker's device memory left free by its weights, e.g. 0.9")
     parser.add_argument("--page-size", type=_size, default=2 << 20, help="KV page of the virtual layouts")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)
@@ -74,7 +77,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> dict:
-    return dict(kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory, page_size=args.page_size,
+    return dict(kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory or 1 << 30,
+                kv_memory_fraction=args.kv_memory_fraction, page_size=args.page_size,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy)
 
@@ -126,7 +130,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         serve_args = ServeArgs.parse(dict(
             model=args.model, served_model_name=args.served_model_name, tensor_parallel_size=args.tp,
-            pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory,
+            pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention,
+            **({"kv_memory": args.kv_memory} if args.kv_memory is not None else {}), kv_memory_fraction=args.kv_memory_fraction,
             page_size=args.page_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
             device=args.device, placement_strategy=args.placement_strategy, num_replicas=args.num_replicas,
             ingress_replicas=args.ingress_replicas,

@@ -9,7 +9,7 @@ the tightest worker's count under ``kv_memory``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -29,6 +29,9 @@ STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build an engine. ``kv_memory`` is the physical KV pool of each worker (each GPU), in bytes;
+    ``kv_memory_fraction``, when set, sizes it instead: that share of the memory free on each worker's device
+    once its weights have loaded (on CPU, of the host's available memory split between the workers), the
+    tightest worker's count for all, and never more than every slot full would map.
     ``distributed="ray"`` runs a scheduler actor and one worker actor per (pp stage, tp rank)."""
 
     model: str = "tiny"
@@ -38,6 +41,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     kv_memory: int = 1 << 30
+    kv_memory_fraction: float | None = None
     page_size: int = 2 << 20
     block_size: int = 16
     preemption_mode: Literal["recompute", "swap"] = "recompute"
@@ -68,8 +72,27 @@ class EnginePlan:
     workers: tuple[WorkerConfig, ...]
     scheduler: SchedulerConfig
     ledger_spec: KVCacheSpec
-    num_pages: int
+    num_pages: int  # 0 until ``sized`` where the pools are a fraction of the workers' free memory
     async_scheduling: bool = False  # schedule step k+1 while step k runs (see ``cluster.engine_core``)
+
+    @property
+    def is_sized(self) -> bool:
+        return all(w.pool_bytes is not None for w in self.workers)
+
+    def sized(self, budget: int) -> EnginePlan:
+        """This plan with every worker's pool sized to at most ``budget`` bytes (the least KV memory a worker
+        has once its weights are loaded), never more than every slot full would map."""
+        full = min(w.kv_spec.max_slots * w.kv_spec.pages_for(w.kv_spec.max_tokens) for w in self.workers)
+        pages = min(_pages_within(self.workers, budget), full)
+        if pages <= 0:
+            raise ValueError(f"kv_memory_fraction={self.config.kv_memory_fraction} leaves {budget} bytes of KV memory on "
+                             f"the tightest worker: no KV page of {max(map(_slot_page_bytes, self.workers))} bytes fits")
+        return self.with_pages(pages)
+
+    def with_pages(self, pages: int) -> EnginePlan:
+        """This plan with pools of ``pages`` slot pages on every worker."""
+        workers = tuple(replace(w, pool_bytes=pages * _slot_page_bytes(w)) for w in self.workers)
+        return replace(self, workers=workers, num_pages=pages)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -89,6 +112,15 @@ class EnginePlan:
             if scratch != self.workers[0].scratch_slot:
                 raise AssertionError(f"the graphs' scratch slot is {scratch}, the workers expect {self.workers[0].scratch_slot}")
         return ledger
+
+
+def _slot_page_bytes(worker: WorkerConfig) -> int:
+    """One slot page of this worker: a page (a block, for ``paged``) in each of its buffers."""
+    return worker.kv_spec.page_bytes * worker.kv_spec.num_buffers
+
+
+def _pages_within(workers, budget: int) -> int:
+    return min(budget // _slot_page_bytes(w) for w in workers)
 
 
 def parse_size(text: str | int) -> int:
@@ -174,18 +206,22 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     dtype = DTYPES[dtype_name]
     specs = [KVCacheSpec(layers if layout == "mega" else len(r), model.num_kv_heads // tp, model.head_dim, dtype,
                          slots, max_model_len, layout, page) for r in ranges]
-    unit = [s.page_size * s.token_bytes if layout == "paged" else s.page_size for s in specs]  # one buffer's page
-    page_bytes = [u * s.num_buffers for u, s in zip(unit, specs)]  # one slot page, all buffers
-    num_pages = min(config.kv_memory // b for b in page_bytes)
-    if num_pages <= 0:
-        raise ValueError(f"kv_memory={config.kv_memory} bytes holds no KV page of {max(page_bytes)} bytes")
+    fraction = config.kv_memory_fraction
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1):
+        raise ValueError(f"kv_memory_fraction must be a number in (0, 1], got {fraction!r}")
     workers = tuple(
-        WorkerConfig(config.model, dtype, device, specs[p], num_pages * page_bytes[p], attention, ranges[p], p, t, tp,
+        WorkerConfig(config.model, dtype, device, specs[p], None, attention, ranges[p], p, t, tp,
                      config.max_num_seqs if graphs else 0, 0 if graphs else None, config.preemption_mode == "swap",
                      config.seed, config.progress, overlap)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]
-    return EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, num_pages,
-                      overlap)
+    unsized = EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, 0,
+                         overlap)
+    if fraction is not None:
+        return unsized  # the executor sizes it once the workers' weights are in (``EnginePlan.sized``)
+    pages = _pages_within(workers, config.kv_memory)
+    if pages <= 0:
+        raise ValueError(f"kv_memory={config.kv_memory} bytes holds no KV page of {max(map(_slot_page_bytes, workers))} bytes")
+    return unsized.with_pages(pages)
 

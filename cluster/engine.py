@@ -77,7 +77,7 @@ class LLM:
         self.max_model_len = engine_plan.max_model_len
         executor = LocalExecutor(engine_plan, built)
         try:
-            self._live = EngineCore(engine_plan, executor, self.tokenizer)
+            self._live = EngineCore(executor.plan, executor, self.tokenizer)
         except BaseException:
             executor.close()
             raise

@@ -29,6 +29,8 @@ class PendingStep(Protocol):
 
 
 class Executor(Protocol):
+    plan: EnginePlan  # sized: every worker's pool known
+
     def submit(self, step: StepInput) -> PendingStep: ...
 
     def execute(self, step: StepInput) -> StepResult:
@@ -45,9 +47,18 @@ class LocalExecutor:
     so that the caller schedules the next step meanwhile; else ``submit`` runs the step there and then."""
 
     def __init__(self, plan: EnginePlan, model: Transformer | None = None):
-        (config,) = plan.workers
-        self._config, self._model = config, model
-        self.worker = Worker(config, model)
+        """``plan.is_sized`` is False where the pool is a fraction of the free memory: ``self.plan`` is sized
+        once the weights are in."""
+        self.worker = Worker(plan.workers[0], model)
+        try:
+            if not plan.is_sized:
+                plan = plan.sized(self.worker.kv_memory_available(plan.config.kv_memory_fraction, 1))
+                self.worker.allocate(plan.workers[0].pool_bytes)
+        except BaseException:
+            self.worker.close()
+            raise
+        self.plan = plan
+        self._config, self._model = plan.workers[0], model
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vattn-worker") if plan.async_scheduling else None
 
     def submit(self, step: StepInput) -> Future:

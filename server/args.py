@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.config import EngineConfig, parse_size
 from server.api import ServerSettings
@@ -25,6 +25,7 @@ class ServeArgs(BaseModel):
     kv_layout: Literal["mega", "per_layer", "paged"] = "mega"
     attention: str | None = None
     kv_memory: int = 1 << 30
+    kv_memory_fraction: float | None = Field(None, gt=0, le=1)  # instead of kv_memory: see EngineConfig
     page_size: int = 2 << 20
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -48,6 +49,12 @@ class ServeArgs(BaseModel):
         except ValidationError as exc:
             raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
 
+    @model_validator(mode="after")
+    def _one_kv_size(self) -> "ServeArgs":
+        if self.kv_memory_fraction is not None and "kv_memory" in self.model_fields_set:
+            raise ValueError(f"set kv_memory ({self.kv_memory} bytes) or kv_memory_fraction ({self.kv_memory_fraction}), not both")
+        return self
+
     @field_validator("kv_memory", "page_size", "max_body", mode="before")
     @classmethod
     def _bytes(cls, value):
@@ -57,7 +64,7 @@ class ServeArgs(BaseModel):
         return EngineConfig(
             model=self.model, kv_layout=self.kv_layout, attention=self.attention, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            kv_memory=self.kv_memory, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True,
+            kv_memory=self.kv_memory, kv_memory_fraction=self.kv_memory_fraction, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True,
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             distributed="ray", placement_strategy=self.placement_strategy,
         )

@@ -8,7 +8,7 @@ inside a Ray actor.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,7 +35,7 @@ class WorkerConfig:
     dtype: torch.dtype
     device: str
     kv_spec: KVCacheSpec  # this shard's layers and heads
-    pool_bytes: int
+    pool_bytes: int | None  # None: sized once the weights are in (``Worker.kv_memory_available``, ``allocate``)
     attention: str
     layers: range
     pp_rank: int = 0
@@ -57,28 +57,45 @@ class Worker:
         of this stage's TP ranks when ``tp_size`` > 1."""
         self.config = config
         self.device = torch.device(config.device)
-        backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
+        self._backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
         tp = self.tp = TPGroup(config.tp_rank, config.tp_size, tp_group)
         self.model = model or build_model(config.model, config.dtype, self.device, tp, config.layers, config.seed, config.progress)
-        self.cache = self._make_cache()
-        try:
-            self.runner = ModelRunner(self.model, self.cache, backend, self.device, config.graph_batch,
-                                      config.scratch_slot, samples=config.tp_rank == 0 or config.fills_placeholders)
-            self.swap = SwapSpace(self.cache) if config.swap else None
-            self.mapper = AsyncMapper(self.cache)
-        except BaseException:
-            self.cache.close()  # a failed constructor leaves no reservation behind
-            raise
+        self.cache = None
+        if config.pool_bytes is not None:
+            self.allocate(config.pool_bytes)
         self._seqs: dict[int, NewSeq] = {}
         self._last: dict[int, int] = {}  # seq_id -> the token last sampled for it (fills placeholders)
         self._reported_maps = 0
         self._busy = 0.0
 
-    def _make_cache(self):
-        c = self.config
+    def kv_memory_available(self, fraction: float, sharers: int) -> int:
+        """Bytes of KV memory this worker could take: ``fraction`` of what its device has free now that its
+        weights are in. On CPU the host's available memory is split between the ``sharers`` workers."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil  # only CPU workers ask the host (the GPU image need not carry it)
+
+            free = psutil.virtual_memory().available // sharers
+        return int(fraction * free)
+
+    def allocate(self, pool_bytes: int) -> None:
+        """Create the KV cache with ``pool_bytes`` of physical pages, then what runs over it (the runner, its
+        CUDA graphs captured; swap space; the mapper)."""
+        c = self.config = replace(self.config, pool_bytes=pool_bytes)
         if c.kv_spec.layout == "paged":
-            return PagedKVCache(c.kv_spec, c.pool_bytes, self.device)
-        return VirtualKVCache(c.kv_spec, c.pool_bytes, default_vmm(self.device))
+            self.cache = PagedKVCache(c.kv_spec, pool_bytes, self.device)
+        else:
+            self.cache = VirtualKVCache(c.kv_spec, pool_bytes, default_vmm(self.device))
+        try:
+            self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
+                                      c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders)
+            self.swap = SwapSpace(self.cache) if c.swap else None
+            self.mapper = AsyncMapper(self.cache)
+        except BaseException:
+            self.cache.close()  # a failed allocation leaves no reservation behind
+            self.cache = None
+            raise
 
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None) -> StepOutput:
         """Apply the step's KV operations, map ahead while the step runs, run it."""
@@ -144,7 +161,10 @@ class Worker:
 
     def close(self) -> None:
         """Stop the mapper and give every byte of KV memory back."""
+        if self.cache is None:
+            return
         try:
             self.mapper.close()
         finally:
             self.cache.close()
+            self.cache = None

@@ -44,6 +44,7 @@ def test_generate_on_ray_with_tp_and_pp_prints_the_in_process_tokens(capsys):
     (["--tp", "3"], "tensor_parallel_size=3 does not divide the model's num_heads=4"),
     (["--num-replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
     (["--model", "/nowhere"], "model '/nowhere' is neither a preset"),
+    (["--kv-memory-fraction", "0"], "kv_memory_fraction: Input should be greater than 0"),
 ])
 def test_serve_refuses_bad_options_before_ray_starts(capsys, argv, message):
     import ray

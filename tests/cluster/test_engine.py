@@ -117,6 +117,20 @@ def test_request_that_can_never_fit_is_rejected():
         assert llm.generate("ok", SamplingParams(max_tokens=2, temperature=0))[0].finished
 
 
+@pytest.mark.parametrize("layout", ["mega", "paged"])
+def test_a_kv_memory_fraction_sizes_the_pool_after_the_weights_load(layout):
+    # 4 slots of 2048 tokens at 8 tokens a page (a 16-token block, paged): the pool stops at every slot full.
+    kw = dict(kv_layout=layout, max_num_seqs=4, max_model_len=2048, page_size=4096, device="cpu")
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM("tiny", kv_memory=1 << 20, **kw) as fixed:
+        want = fixed.generate(["a b c", "hello"], greedy)
+    with LLM("tiny", kv_memory_fraction=0.5, **kw) as llm:
+        assert llm.core.plan.num_pages == 4 * (256 if layout == "mega" else 128)
+        assert llm.cache.accounting().free_pages == llm.core.plan.num_pages
+        got = llm.generate(["a b c", "hello"], greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 @pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn")])
 def test_in_place_attention_needs_a_virtual_layout_on_cuda(layout, attention):
     with pytest.raises(ValueError, match=f"attention '{attention}' needs a virtual KV layout"):

@@ -38,3 +38,20 @@ def test_fast_paths_agree_with_the_reference_engine(hf_model, layout, attention,
     assert [g[0] for g in got] == [w[0] for w in want]
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     assert same >= 0.8 * sum(map(len, want)), f"only {same} of {sum(map(len, want))} tokens agree"
+
+
+def test_a_kv_memory_fraction_takes_that_share_of_what_the_weights_leave():
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    import torch
+
+    # yi-6b: 12 GiB of bf16 weights, 64 KiB of KV a token; 256 slots of 4096 tokens would map 64 GiB, so half of
+    # what an 80 GiB GPU has left is under that cap and the fraction decides.
+    with LLM("yi-6b", kv_memory_fraction=0.5, device="cuda", max_num_seqs=256, max_model_len=4096,
+             cuda_graphs=False) as llm:
+        pool = llm.core.plan.workers[0].pool_bytes
+        free, _ = torch.cuda.mem_get_info()
+        assert 0.45 < pool / (free + pool) < 0.55, (pool, free)  # what was free before the pool: free now + pool
+        out = llm.generate([[1, 2, 3, 4]] * 8, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+        assert llm.cache.stats().slots_in_use == 0

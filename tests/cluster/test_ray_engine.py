@@ -88,6 +88,34 @@ def test_chunked_and_oversubscribed_tp_pp_match_transformers(hf_llama, tp, pp, l
         assert_in_step(llm)
 
 
+def test_a_kv_memory_fraction_sizes_every_pool_once_the_weights_are_in(hf_llama):
+    import psutil
+
+    path, prompts, expected = hf_llama
+    kv = demand(path, "mega", 2, 2, prompts) // 2
+    # On CPU the four workers split the host's available memory: this fraction gives each about ``kv``.
+    fraction = kv * 4 / psutil.virtual_memory().available
+    with LLM(path, distributed="ray", tensor_parallel_size=2, pipeline_parallel_size=2, kv_memory_fraction=fraction,
+             dtype="float32", **SMALL) as llm:
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)] == expected
+        snap = llm.snapshot()
+        assert snap.num_preemptions > 0  # the sized pools hold about half of what the prompts need at once
+        assert len({w.total_pages for w in snap.workers}) == 1  # the tightest worker's count, on every worker
+        assert all(abs(w.pool_bytes - kv) <= 0.3 * kv for w in snap.workers)  # (the host's memory moves a little)
+        assert_in_step(llm)
+    # All of the memory: the pools stop at every slot full (8 slots of 128 tokens), not at the host's gigabytes.
+    with LLM("tiny", distributed="ray", pipeline_parallel_size=2, kv_memory_fraction=1.0, **SMALL) as llm:
+        spec = plan(EngineConfig("tiny", pipeline_parallel_size=2, distributed="ray", **SMALL), model_config("tiny"), "cpu").ledger_spec
+        assert {w.total_pages for w in llm.snapshot().workers} == {8 * spec.pages_for(128)}
+
+
+def test_a_kv_memory_fraction_too_small_for_one_page_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"kv_memory_fraction=1e-12 leaves 0 bytes of KV memory on the tightest worker: "
+                                         r"no KV page of \d+ bytes fits"):
+        LLM("tiny", distributed="ray", tensor_parallel_size=2, kv_memory_fraction=1e-12, **SMALL)
+    assert vattn_actors() == [] and live_placement_groups() == []
+
+
 @pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])
 def test_preemption_by_swap_across_tp_and_pp(hf_llama, layout):
     path, prompts, expected = hf_llama
@@ -240,6 +268,8 @@ def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
         (dict(preemption_mode="drop"), "preemption_mode must be 'recompute' or 'swap', got 'drop'"),
         (dict(pipeline_parallel_size=2, async_scheduling=True), "async_scheduling needs pipeline_parallel_size=1, got 2"),
         (dict(async_scheduling="yes"), "async_scheduling must be a bool or None, got 'yes'"),
+        (dict(kv_memory_fraction=0), r"kv_memory_fraction must be a number in \(0, 1\], got 0"),
+        (dict(kv_memory_fraction=1.5), r"kv_memory_fraction must be a number in \(0, 1\], got 1.5"),
     ],
 )
 def test_impossible_shapes_are_refused_before_anything_starts(kwargs, message):

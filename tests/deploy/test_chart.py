@@ -13,12 +13,14 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from ray import serve
 from ray._common.utils import import_attr
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
 helm = pytest.importorskip("helm_python")
 
+from cluster.config import EngineConfig, model_config, plan  # noqa: E402
 from tests.server.conftest import serving  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
@@ -113,7 +115,12 @@ def test_a_replica_pod_asks_for_tp_times_pp_gpus_and_the_serve_config_says_so():
         (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
         args = app["args"]
         assert args["tensor_parallel_size"] * args["pipeline_parallel_size"] == int(gpus)
-    assert args["model"] == "/models/yi-34b-chat" and args["kv_memory"] == "30GiB"
+    assert args["model"] == "/models/yi-34b-chat" and args["kv_memory"] == "30GiB" and "kv_memory_fraction" not in args
+
+
+def test_by_default_the_kv_pool_is_a_fraction_of_what_the_weights_leave():
+    (app,) = yaml.safe_load(one(render({}), "RayService")["spec"]["serveConfigV2"])["applications"]
+    assert app["args"]["kv_memory_fraction"] == 0.9 and "kv_memory" not in app["args"]
 
 
 def test_the_api_key_comes_from_the_secret_into_every_ray_pod_and_the_test_pod():
@@ -139,6 +146,7 @@ def test_the_rules_and_dashboards_are_the_repositorys_own():
     ({"engine": {"tensorParallelSize": 0}}, "tensorParallelSize"),
     ({"engine": {"kvLayout": "blocks"}}, "kvLayout"),
     ({"engine": {"kvMemory": "lots"}}, "kvMemory"),
+    ({"engine": {"kvMemoryFraction": 1.5}}, "kvMemoryFraction"),
     ({"model": {"volume": {"type": "nfs"}}}, "type"),
     ({"serve": {"replicas": 2}}, "replicas"),
 ])
@@ -149,9 +157,10 @@ def test_bad_values_are_refused_by_the_schema_naming_them(values, message):
 
 def test_the_rendered_serve_config_serves_on_cpu():
     """What the cluster would run, run for real: the chart rendered for the ``tiny`` preset on CPU (no model
-    volume, small KV memory), its serveConfigV2 validated by Ray Serve's own schema and started."""
+    volume; the default KV memory fraction, which stops at every slot full), its serveConfigV2 validated by Ray
+    Serve's own schema and started."""
     values = {"model": {"path": "tiny", "servedName": "tiny", "volume": {"type": "none"}},
-              "engine": {"device": "cpu", "kvMemory": "64MiB", "pageSize": "4KiB", "maxModelLen": 256, "maxNumSeqs": 16}}
+              "engine": {"device": "cpu", "pageSize": "4KiB", "maxModelLen": 256, "maxNumSeqs": 16}}
     config = ServeDeploySchema.model_validate(yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"]))
     assert config.proxy_location == "HeadOnly"
     (app,) = config.applications
@@ -163,3 +172,6 @@ def test_the_rendered_serve_config_serves_on_cpu():
                        json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        (worker,) = serve.get_deployment_handle("VattnEngine", app_name=app.name).snapshot.remote().result().workers
+        spec = plan(EngineConfig("tiny", max_num_seqs=16, max_model_len=256, page_size=4096), model_config("tiny"), "cpu").ledger_spec
+        assert worker.total_pages == 16 * spec.pages_for(256)  # 0.9 of the host's memory, stopped at 16 full slots

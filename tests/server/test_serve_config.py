@@ -36,6 +36,8 @@ def test_the_config_file_starts_a_serving_app():
     ({"kv_layot": "mega"}, "kv_layot: Extra inputs are not permitted"),
     ({"device": "tpu"}, "device: Input should be 'cpu' or 'cuda'"),
     ({"model": "/nowhere"}, "model '/nowhere' is neither a preset"),
+    ({"kv_memory_fraction": 1.2}, "kv_memory_fraction: Input should be less than or equal to 1"),
+    ({"kv_memory": "2GiB", "kv_memory_fraction": 0.9}, r"set kv_memory \(2147483648 bytes\) or kv_memory_fraction \(0.9\), not both"),
 ])
 def test_bad_args_are_refused_naming_the_field(args, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):

@@ -45,7 +45,11 @@ applications:
       pipeline_parallel_size: {{ .Values.engine.pipelineParallelSize }}
       kv_layout: {{ .Values.engine.kvLayout }}
       page_size: {{ .Values.engine.pageSize | quote }}
+      {{- if .Values.engine.kvMemory }}
       kv_memory: {{ .Values.engine.kvMemory | quote }}
+      {{- else }}
+      kv_memory_fraction: {{ .Values.engine.kvMemoryFraction }}
+      {{- end }}
       max_num_seqs: {{ .Values.engine.maxNumSeqs }}
       max_num_batched_tokens: {{ .Values.engine.maxNumBatchedTokens }}
       {{- with .Values.engine.maxModelLen }}
