@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -24,14 +26,17 @@ RATE_INTERVAL = "30s"
 VARIABLE_VALUES = {"namespace": [], "model": ["tiny"], "pp_rank": ["0"], "tp_rank": ["0"]}
 
 
-def load_build():
-    spec = importlib.util.spec_from_file_location("dashboards_build", ROOT / "dashboards" / "build.py")
+def load(name: str):
+    """``dashboards/<name>.py`` (a script directory, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"dashboards_{name}", ROOT / "dashboards" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-BUILD = load_build()
+BUILD = load("build")
+PREVIEW = load("preview")
 DASHBOARDS = {name: json.loads(text) for name, text in BUILD.render().items()}
 
 
@@ -110,6 +115,32 @@ def traffic(target: str) -> None:
     send_completions(target, "dashboard", 4)
 
 
+def mixed_traffic(target: str, seconds: float) -> float:
+    """Waves of 1 to 24 concurrent streams of varied lengths (some n=2) for ``seconds``; the minutes to draw."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    rng = random.Random(0)
+
+    def one(k: int) -> None:
+        body = {"model": "tiny", "prompt": "word " * rng.randint(4, 120), "max_tokens": rng.randint(8, 120),
+                "temperature": 0.8, "n": 1 + k % 2, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"http://{target}/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                pass
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(24) as pool:
+        wave = 0
+        while time.monotonic() - start < seconds:
+            list(pool.map(one, range(1 + (wave * 7) % 24)))
+            wave += 1
+            time.sleep(rng.uniform(0, 3))
+    return (time.monotonic() - start) / 60 + 0.5
+
+
 @pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (apt-get install prometheus)")
 def test_every_panel_returns_data_from_a_live_server(server, tmp_path):
     with prometheus(server, tmp_path) as prom:
@@ -132,6 +163,17 @@ def test_every_panel_returns_data_from_a_live_server(server, tmp_path):
                         if not prom.query(q):
                             empty.append(f"{name} {p['title']!r} (model {model}): {q}")
         assert not empty, "panels without data:\n" + "\n".join(empty)
+
+        # Drawn from the same JSON and data (dashboards/preview.py): every panel has a line or a value to show.
+        # VATTN_PREVIEW=docs: after a few minutes of mixed traffic, the pictures docs/deploy.md shows.
+        out = Path(os.environ.get("VATTN_PREVIEW") or tmp_path)
+        minutes = 1.0
+        if os.environ.get("VATTN_PREVIEW"):
+            minutes = mixed_traffic(server, seconds=240)
+        for name, d in DASHBOARDS.items():
+            counts = PREVIEW.render(d, prom.api, out / name.replace(".json", ".png"), minutes,
+                                    {"__rate_interval": RATE_INTERVAL})
+            assert all(counts.values()) and len(counts) == len(panels(d)), (name, counts)
 
         # the variables' own queries list what the panels filter on; no namespace label outside Kubernetes (hence
         # All = .*), one engine replica of one worker here
