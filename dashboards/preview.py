@@ -78,7 +78,7 @@ def formatter(unit: str | None):
     if unit == "bytes":
         return lambda v: scaled(v, [(1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B")], 0)
     if unit == "percentunit":
-        return lambda v: f"{100 * v:.0f}%"
+        return lambda v: f"{100 * v:.3g}%"
     if unit == "s":
         return lambda v: f"{v:.2f} s" if abs(v) >= 1 else f"{1e3 * v:.3g} ms" if abs(v) >= 1e-3 else f"{1e6 * v:.3g} µs"
     suffix = {"ops": " ops/s", "reqps": " req/s"}.get(unit or "", unit[len("suffix:"):] if unit and unit.startswith("suffix:") else "")
@@ -111,7 +111,7 @@ def draw(dashboard: dict, data: dict[int, list[Series]], path: Path, minutes: fl
     grid = fig.add_gridspec(rows + 2, GRID_COLUMNS, left=0.045, right=0.99, top=0.985, bottom=0.01, hspace=0.9, wspace=0.9)
     title = fig.add_subplot(grid[0:2, :])
     title.axis("off")
-    title.text(0, 0.5, f"{dashboard['title']}  ·  last {minutes:g} min  ·  drawn by dashboards/preview.py from Prometheus "
+    title.text(0, 0.5, f"{dashboard['title']}  ·  last {minutes:.0f} min  ·  drawn by dashboards/preview.py from Prometheus "
                "(not Grafana)", color=TEXT, fontsize=13, va="center")
     for p in items:
         g = p["gridPos"]
@@ -141,7 +141,7 @@ def draw(dashboard: dict, data: dict[int, list[Series]], path: Path, minutes: fl
         for k, s in enumerate(series):
             ax.plot([t / 60 for t in s.times], s.values, color=COLOURS[k % len(COLOURS)], linewidth=1.4, label=s.legend)
         ax.set_xlim(-minutes, 0)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _, fmt=fmt: fmt(v)))  # this panel's unit, not the last's
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0f} min" if v else "now"))
         ax.tick_params(colors=TEXT, labelsize=8)
         ax.grid(color=GRID, linewidth=0.6)

@@ -36,10 +36,10 @@ def serving(build: Callable[[], Application], num_cpus: int = 4, **run) -> Itera
 
 
 @contextmanager
-def tiny_server() -> Iterator[str]:
+def tiny_server(kv_memory: int = 64 << 20) -> Iterator[str]:
     """The ``tiny`` preset on CPU, one engine replica, served; yields its ``host:port`` (what the metrics and
     dashboard tests point Prometheus at)."""
-    engine = EngineConfig(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256, page_size=4096,
+    engine = EngineConfig(model="tiny", device="cpu", kv_memory=kv_memory, max_model_len=256, page_size=4096,
                           distributed="ray")
     with serving(lambda: build_app(AppConfig(engine))) as url:
         yield url.removeprefix("http://")
