@@ -8,13 +8,12 @@ of layers; with ``TPGroup(size>1)`` heads and the MLP are split over ranks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionStep
 from worker.config import ModelConfig
 from worker.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
-from worker.rope import apply_rope
+from worker.kernels import rms_norm, rope_qk, silu_mul
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -25,10 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm of ``x``; with ``residual``, ``(x + residual, its norm)`` (one kernel on CUDA)."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -45,10 +43,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(-1, self.n_kv_heads, self.head_dim), *rope)
-        out = attn(self.layer, q, k, v.view(-1, self.n_kv_heads, self.head_dim))
+        qkv = self.wqkv(x)
+        q, k = rope_qk(qkv, self.n_heads, self.n_kv_heads, self.head_dim, *rope)
+        v = qkv[:, q_size + kv_size:].view(-1, self.n_kv_heads, self.head_dim)
+        out = attn(self.layer, q, k, v)
         return self.wo(out.reshape(-1, q_size))
 
 
@@ -59,8 +57,7 @@ class FeedForward(nn.Module):
         self.w2 = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(silu_mul(self.w13(x)))
 
 
 class Block(nn.Module):
@@ -72,8 +69,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config, tp)
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, attn)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, normed = self.ffn_norm(self.attention(self.attention_norm(x), rope, attn), residual=x)
+        return h + self.feed_forward(normed)
 
 
 class Transformer(nn.Module):

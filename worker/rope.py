@@ -45,10 +45,3 @@ def rope_for(cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -
     freqs = cache[positions]
     cos, sin = freqs[:, :half], freqs[:, half:]
     return torch.cat([cos, cos], -1)[:, None].to(dtype), torch.cat([sin, sin], -1)[:, None].to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[tokens, heads, head_dim]`` (the HF half-split layout, in x's dtype as HF does)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

@@ -1,0 +1,74 @@
+"""The fused Triton kernels give their torch expressions' results (GPU only): RoPE bit for bit, RMSNorm and
+SiLU-and-mul within one rounding step of the output dtype (their float32 sums and exponentials are not the same
+instructions as torch's), at the model's shapes and at awkward ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker import kernels
+from worker.config import PRESETS
+from worker.rope import rope_cache, rope_for
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of the dtype lie between ``a`` and ``b``, elementwise."""
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    return (a.view(bits).int() - b.view(bits).int()).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 4096), (128, 4096), (8192, 4096), (7, 3584), (3, 100)])
+def test_rms_norm_with_and_without_the_residual(dtype, tokens, hidden):
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    r = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    assert kernels.fused(x)
+    ulps = 1 if dtype != torch.float32 else 8  # float32 shows rsqrt's and the sum order's last bits
+    out = kernels.rms_norm(x, w, 1e-5)
+    assert ulps_apart(out, kernels.rms_norm_reference(x, w, 1e-5)).max() <= ulps
+    h, normed = kernels.rms_norm(x, w, 1e-5, residual=r)
+    assert torch.equal(h, x + r)
+    assert ulps_apart(normed, kernels.rms_norm_reference(x + r, w, 1e-5)).max() <= ulps
+
+
+def test_rms_norm_of_a_strided_view():
+    x = torch.randn(16, 2 * 4096, device="cuda", dtype=torch.bfloat16)[:, :4096]  # rows 8192 apart
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    assert ulps_apart(kernels.rms_norm(x, w, 1e-6), kernels.rms_norm_reference(x, w, 1e-6)).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 14336), (128, 14336), (4096, 14336), (5, 1000)])
+def test_silu_mul(dtype, tokens, inter):
+    gate_up = 4 * torch.randn(tokens, 2 * inter, device="cuda", dtype=dtype)
+    got, want = kernels.silu_mul(gate_up), kernels.silu_mul_reference(gate_up)
+    assert got.shape == want.shape == (tokens, inter)
+    assert ulps_apart(got, want).max() <= 1
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "qwen2.5-7b", "tiny"])
+@pytest.mark.parametrize("tokens", [1, 128, 2049])
+def test_rope_on_q_and_k_in_place_is_the_reference_bit_for_bit(model, tokens):
+    c = PRESETS[model]
+    d, n_q, n_kv = c.head_dim, c.num_heads, c.num_kv_heads
+    qkv = torch.randn(tokens, (n_q + 2 * n_kv) * d, device="cuda", dtype=torch.bfloat16)
+    positions = torch.randint(0, min(c.max_position_embeddings, 32768), (tokens,), device="cuda")
+    cos, sin = rope_for(rope_cache(c, "cuda"), positions, torch.bfloat16)
+    original = qkv.clone()
+    want_q = kernels.rope_reference(original[:, : n_q * d].view(-1, n_q, d), cos, sin)
+    want_k = kernels.rope_reference(original[:, n_q * d: (n_q + n_kv) * d].view(-1, n_kv, d), cos, sin)
+    q, k = kernels.rope_qk(qkv, n_q, n_kv, d, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (n_q + n_kv) * d:], original[:, (n_q + n_kv) * d:])  # v untouched

@@ -1,0 +1,141 @@
+"""Fused elementwise kernels for CUDA (Triton): RMSNorm with the residual add before it, SiLU-and-mul, and RoPE
+on q and k in place.
+
+Unfused, these were a third of a prefill step's kernel time and a tenth of a decode step's on the H100
+(``bench/results/step_profile_h100.json``: RMSNorm alone was six kernels, RoPE five per tensor). Each kernel
+rounds where the torch expression beside it rounds (bf16 products and sums as torch computes them), so the two
+agree to an ulp; the torch expressions run on CPU, without Triton, and are what the GPU tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the torch expressions below
+    triton = None
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether ``x``'s op runs as a Triton kernel."""
+    return triton is not None and x.is_cuda
+
+
+# -- RMSNorm --------------------------------------------------------------------------------------
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm as transformers computes it: normalised in float32, scaled in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``rms_norm(x)``; with ``residual``, ``(x + residual, rms_norm(x + residual))`` in one pass."""
+    if not fused(x):
+        if residual is None:
+            return rms_norm_reference(x, weight, eps)
+        h = x + residual
+        return h, rms_norm_reference(h, weight, eps)
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # contiguous: the kernel writes rows n apart
+    h = torch.empty_like(out) if residual is not None else out
+    r = residual.reshape(-1, x.shape[-1]) if residual is not None else x2
+    n = x2.shape[-1]
+    _rms_norm_kernel[(x2.shape[0],)](x2, r, weight, out, h, x2.stride(0), r.stride(0), n, eps,
+                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
+    if residual is None:
+        return out.view_as(x)
+    return h.view_as(x), out.view_as(x)
+
+
+# -- SiLU and mul ---------------------------------------------------------------------------------
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` along the last dimension."""
+    if not fused(gate_up):
+        return silu_mul_reference(gate_up)
+    x = gate_up.reshape(-1, gate_up.shape[-1])
+    n = x.shape[-1] // 2
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), n, BLOCK=block)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+# -- RoPE -----------------------------------------------------------------------------------------
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` (the HF half-split layout, in x's dtype as HF does)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_qk(qkv: torch.Tensor, n_q: int, n_kv: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor):
+    """q and k of the fused projection ``qkv`` ``[tokens, (n_q + 2 n_kv) head_dim]`` rotated (cos, sin:
+    ``[tokens, 1, head_dim]``, the first half repeated); returns views ``q [tokens, n_q, head_dim]`` and
+    ``k [tokens, n_kv, head_dim]``. Fused, in place in ``qkv``."""
+    q, k = qkv[:, : n_q * head_dim], qkv[:, n_q * head_dim: (n_q + n_kv) * head_dim]
+    q, k = q.view(-1, n_q, head_dim), k.view(-1, n_kv, head_dim)
+    if not fused(qkv):
+        return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    heads = n_q + n_kv  # k's heads follow q's in each row: one launch rotates both
+    if qkv.shape[0]:
+        _rope_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads,
+                                      HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads))
+    return q, k
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, n, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream stays in x's dtype
+            tl.store(h_ptr + row * n + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        tl.store(out_ptr + row * n + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_x, stride_cos, stride_sin, heads,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        tok = tl.program_id(0)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        mask = h < heads
+        first = x_ptr + tok * stride_x + h * (2 * HALF) + d
+        x1 = tl.load(first, mask=mask, other=0.0)
+        x2 = tl.load(first + HALF, mask=mask, other=0.0)
+        cos = tl.load(cos_ptr + tok * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + tok * stride_sin + d).to(tl.float32)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        dt = x1.dtype
+        # x * cos + rotate(x) * sin with each product and the sum rounded to x's dtype, as torch does in bf16
+        out1 = ((a * cos).to(dt).to(tl.float32) + (-b * sin).to(dt).to(tl.float32)).to(dt)
+        out2 = ((b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)).to(dt)
+        tl.store(first, out1, mask=mask)
+        tl.store(first + HALF, out2, mask=mask)
