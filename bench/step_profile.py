@@ -12,6 +12,8 @@ bytes over the measured copy bandwidth. In-process engine (the profiler sees thi
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import time
 from pathlib import Path
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--host-profile", action="store_true", help="also cProfile the host side of decode steps")
     parser.add_argument("--name", default="step_profile")
     args = parser.parse_args()
     config = PRESETS[args.model]
@@ -102,6 +105,10 @@ def main() -> None:
             llm.step()  # the rest of the prefill: then every request decodes at once
         timed_steps(llm, 4)  # settle
         decode = profiled_steps(llm, args.steps)
+        if args.host_profile:  # where the host's part of a decode step goes (cProfile; slows the host ~2x)
+            host = cProfile.Profile()
+            host.runcall(timed_steps, llm, args.steps)
+            pstats.Stats(host).sort_stats("tottime").print_stats(30)
         assert not any(decode["prefill_tokens"]) and set(decode["seqs"]) == {args.requests}
         context = sum(map(len, prompts)) + args.requests * (args.output // 2)  # mid-decode, roughly
         while llm.scheduler.has_work:

@@ -50,6 +50,8 @@ def test_graph_replay_matches_eager_logits(batch, backend):
             for seq in range(batch):
                 w, g = want[seq][0], got[seq][0]
                 assert g.token_id == w.token_id
-                assert list(g.top_logprobs) == list(w.top_logprobs)
+                # the same top tokens with the same logprobs; near-ties may swap places (the padded batch's
+                # matmuls round differently)
+                assert set(g.top_logprobs) == set(w.top_logprobs)
                 assert all(abs(g.top_logprobs[t] - w.top_logprobs[t]) < 2e-2 for t in w.top_logprobs)
                 last[seq] = w.token_id
