@@ -9,6 +9,8 @@ the tightest worker's count under ``kv_memory``).
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -24,6 +26,7 @@ from worker.worker import WorkerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,16 @@ class EnginePlan:
         return ledger
 
 
+def _fastest_in_place() -> str:
+    """flash-attn's kernels where the package is installed (W1 on the H100: 1.08x torch's FA2 end to end,
+    bench/results/w1_flash_attn_fused_h100.json), else torch's FA2, saying so."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attn"
+    logger.warning("the flash-attn package is not installed: attention runs on torch's FlashAttention-2 (fa2), "
+                   "about 8%% slower end to end on an H100 (tools/build_flash_attn.py builds its kernels)")
+    return "fa2"
+
+
 def _slot_page_bytes(worker: WorkerConfig) -> int:
     """One slot page of this worker: a page (a block, for ``paged``) in each of its buffers."""
     return worker.kv_spec.page_bytes * worker.kv_spec.num_buffers
@@ -188,7 +201,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {config.dtype!r}")
     layout = config.kv_layout
-    attention = config.attention or ("paged" if layout == "paged" else "fa2" if device == "cuda" else "torch")
+    attention = config.attention or ("paged" if layout == "paged" else _fastest_in_place() if device == "cuda" else "torch")
     if attention in IN_PLACE and (layout == "paged" or device != "cuda"):
         raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
     if attention in IN_PLACE and model.head_dim % 8:

@@ -131,6 +131,19 @@ def test_a_kv_memory_fraction_sizes_the_pool_after_the_weights_load(layout):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
+def test_the_default_attention_on_cuda_is_the_fastest_installed(caplog):
+    import importlib.util
+
+    from cluster.config import EngineConfig, plan
+
+    chosen = plan(EngineConfig("tiny", device="cuda"), PRESETS["tiny"], "cuda").attention  # plans only: no GPU needed
+    if importlib.util.find_spec("flash_attn") is not None:
+        assert chosen == "flash_attn"
+    else:
+        assert chosen == "fa2" and "the flash-attn package is not installed" in caplog.text
+    assert plan(EngineConfig("tiny", device="cuda", attention="fa2"), PRESETS["tiny"], "cuda").attention == "fa2"
+
+
 @pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn")])
 def test_in_place_attention_needs_a_virtual_layout_on_cuda(layout, attention):
     with pytest.raises(ValueError, match=f"attention '{attention}' needs a virtual KV layout"):

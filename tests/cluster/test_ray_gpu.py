@@ -49,3 +49,19 @@ def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, tp, pp, layout, n
     graphs = tp * pp == 1 and layout != "paged"
     assert all(w.slots_in_use == (1 if graphs else 0) for w in snap.workers)  # the graphs' scratch slot only
     assert all(w.peak_mapped_bytes > 0 and w.busy_seconds > 0 for w in snap.workers)
+
+
+def test_a_kv_memory_fraction_sizes_the_gpu_workers_pools(gpus):
+    # Half of an 80 GiB GPU is far past what 8 slots of 256 tokens of `tiny` can map: the pools stop there, on
+    # every worker, after each measured its GPU; the tokens are the fixed-pool engine's.
+    from cluster.config import EngineConfig, model_config, plan
+
+    kw = {k: v for k, v in KW.items() if k != "kv_memory"}
+    with LLM("tiny", device="cuda", **BF16, **KW) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+    with LLM("tiny", distributed="ray", device="cuda", kv_memory_fraction=0.5, **BF16, **kw) as llm:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+        (worker,) = llm.snapshot().workers
+    spec = plan(EngineConfig("tiny", device="cuda", **BF16, **kw), model_config("tiny"), "cuda").ledger_spec
+    assert worker.total_pages == spec.max_slots * spec.pages_for(256)
+    assert got == want
