@@ -100,6 +100,12 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
+    # Llama 3.1 8B: Llama 3's shape with its RoPE scaled to 128K positions (the paper's long-context model class).
+    "llama-3.1-8b": ModelConfig(
+        128256, 4096, 14336, 32, 32, 8, 128, 131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
     "yi-6b": ModelConfig(64000, 4096, 11008, 32, 32, 4, 128, 4096, rope_theta=5000000.0),
     "yi-34b": ModelConfig(64000, 7168, 20480, 60, 56, 8, 128, 4096, rope_theta=5000000.0),
     "qwen2.5-7b": ModelConfig(152064, 3584, 18944, 28, 28, 4, 128, 32768, rms_norm_eps=1e-6, rope_theta=1000000.0,

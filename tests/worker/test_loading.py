@@ -26,6 +26,22 @@ def test_rope_settings_from_either_config_generation():
     assert (plain.rope_theta, plain.rope_scaling) == (1e6, None)
 
 
+def test_the_long_context_preset_has_transformers_rope_frequencies():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from worker.config import PRESETS
+    from worker.rope import inv_frequencies
+
+    c = PRESETS["llama-3.1-8b"]
+    hf = transformers.LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
+                                  num_key_value_heads=c.num_kv_heads, max_position_embeddings=c.max_position_embeddings,
+                                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
+    inv, scale = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    assert c.max_context == 131072 and scale == 1.0
+    assert torch.equal(inv_frequencies(c), inv.float())
+
+
 def test_unsupported_architecture_and_rope_are_named():
     with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' \(\['GPT2LMHeadModel'\]\)"):
         ModelConfig.from_hf({**BASE, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
