@@ -267,7 +267,7 @@ class EngineCore:
     def _check_stop(self, seq: Sequence) -> None:
         p = seq.request.params
         token = seq.token_ids[-1]
-        text = self.tokenizer.decode(seq.output_token_ids) if p.stop else ""  # once, not once per stop string
+        text = self._text(seq) if p.stop else ""
         reason = None
         if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
@@ -277,6 +277,20 @@ class EngineCore:
             reason = "length"
         if reason:
             self._finish(seq, reason)
+
+    def _text(self, seq: Sequence) -> str:
+        """``seq``'s output text: while it runs, extended by its new tokens only (streaming and stop strings
+        look at it every step); once finished, the whole output decoded once, exactly what ``decode`` gives."""
+        if seq.status is SeqStatus.FINISHED:
+            if seq.final_text is None:
+                seq.final_text = self.tokenizer.decode(seq.output_token_ids)
+            return seq.final_text
+        if seq.detokenizer is None:
+            seq.detokenizer = self.tokenizer.detokenizer()
+        start = seq.num_prompt_tokens + seq.decoded
+        seq.text += "".join(map(seq.detokenizer.step, seq.token_ids[start:]))
+        seq.decoded = len(seq.token_ids) - seq.num_prompt_tokens
+        return seq.text
 
     def _token_texts(self, seq: Sequence) -> dict[int, str]:
         """Texts of the tokens ``seq``'s logprobs name, decoding only the entries added since the last call."""
@@ -293,7 +307,7 @@ class EngineCore:
         exist -- the missing ones are empty completions with that reason, so a client finds all n."""
         completions = []
         for seq in sorted(r.seqs, key=lambda s: s.sample_index):
-            text = self.tokenizer.decode(seq.output_token_ids)
+            text = self._text(seq)
             for stop in r.params.stop:
                 if stop in text:
                     text = text[: text.index(stop)]

@@ -61,6 +61,11 @@ class Sequence:
     texts_for: int = 0
     num_preemptions: int = 0
     pending: int = 0
+    # The output's text so far, decoded a token at a time (``EngineCore._text``), and the exact text once finished.
+    text: str = ""
+    decoded: int = 0  # output tokens in ``text``
+    detokenizer: object | None = None
+    final_text: str | None = None
 
     @property
     def num_tokens(self) -> int:

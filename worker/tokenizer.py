@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Protocol
+
+
+class Detokenizer(Protocol):
+    def step(self, token_id: int) -> str:
+        """The text ``token_id`` adds to the tokens stepped so far: "" while it waits on the next token (part
+        of a character); what it has returned, joined, is a prefix of ``decode`` of those tokens."""
 
 
 class Tokenizer(Protocol):
@@ -14,6 +21,9 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def detokenizer(self) -> Detokenizer:
+        """A fresh incremental decoder: a sequence's text a token at a time, not all of it again each step."""
 
     def apply_chat_template(self, messages: list[dict]) -> str: ...
 
@@ -29,6 +39,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> Detokenizer:
+        return _ByteDetokenizer()
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
@@ -61,6 +74,9 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def detokenizer(self) -> Detokenizer:
+        return _StreamDetokenizer(self._tok)
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self._template:
             raise ValueError("this model has no chat template (neither chat_template.jinja nor a chat_template in "
@@ -85,6 +101,26 @@ class HFTokenizer:
             return template.render(messages=messages, add_generation_prompt=True, **specials)
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template failed on these messages: {exc}") from None
+
+
+class _ByteDetokenizer:
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        return self._utf8.decode(bytes((token_id,))) if token_id < 256 else ""
+
+
+class _StreamDetokenizer:
+    """``tokenizers``' own incremental decoder (it holds back bytes of a character split over tokens)."""
+
+    def __init__(self, tok):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tok, token_id) or ""
 
 
 def load_tokenizer(model: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

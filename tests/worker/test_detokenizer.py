@@ -1,0 +1,73 @@
+"""Incremental detokenization (``Tokenizer.detokenizer``): for any token sequence, the text it has returned after
+each token is what ``decode`` gives for those tokens, short only of a token still waiting on the rest of a
+character split over tokens (which ``decode`` shows as U+FFFD). Checked on bytes (the presets' tokenizer) and on two real ``tokenizer.json`` kinds
+trained here: GPT-2's byte-level BPE and Llama 2's SentencePiece style (metaspace, byte fallback)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.tokenizer import ByteTokenizer, HFTokenizer
+
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "naïve café, 東京 and Zürich — “quoted” ✓ 🙂",
+          "def f(x):\n    return x ** 2  # squares", "streaming text a token at a time"] * 20
+
+
+def trained(kind: str, tmp_path) -> HFTokenizer:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    if kind == "byte_level":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<eos>"] + [f"<0x{b:02X}>" for b in range(256)])
+    tok.train_from_iterator(CORPUS, trainer)
+    path = tmp_path / kind
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    return HFTokenizer(path)
+
+
+@pytest.fixture(scope="module", params=["byte_level", "metaspace"])
+def hf_tokenizer(request, tmp_path_factory):
+    return trained(request.param, tmp_path_factory.mktemp("tok"))
+
+
+def check_prefixes(tokenizer, ids: list[int]) -> None:
+    detok, text = tokenizer.detokenizer(), ""
+    for k, token in enumerate(ids, 1):
+        text += detok.step(token)
+        whole = tokenizer.decode(ids[:k])
+        assert whole.startswith(text), (ids[:k], text, whole)
+        held = whole[len(text):]
+        assert not held or "\ufffd" in held, (ids[:k], text, whole)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 257), max_size=40))
+def test_bytes(ids):
+    check_prefixes(ByteTokenizer(), ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_trained_tokenizers_on_random_ids(hf_tokenizer, data):
+    vocab = hf_tokenizer._tok.get_vocab_size()
+    check_prefixes(hf_tokenizer, data.draw(st.lists(st.integers(0, vocab - 1), max_size=30)))
+
+
+@pytest.mark.parametrize("text", CORPUS[:4])
+def test_trained_tokenizers_on_real_text(hf_tokenizer, text):
+    ids = hf_tokenizer.encode(text)
+    check_prefixes(hf_tokenizer, ids)
+    detok = hf_tokenizer.detokenizer()
+    assert "".join(map(detok.step, ids)) == hf_tokenizer.decode(ids) == text
