@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import ray
 import torch
@@ -183,7 +184,9 @@ class SchedulerActor:
         """The newest output of each of ``request_ids`` (None: of ``consumer``'s requests, or of every request
         without one) that moved since the last call -- outputs are cumulative, so one that waited long says all
         the ones before it did -- waiting up to ``timeout`` s for the first. An id this actor does not know
-        (never added, or its output expired uncollected) gets a final error output."""
+        (never added, or its output expired uncollected) gets a final error output. A ``consumer``'s outputs
+        carry the prompt's token ids in the final one only: they are most of what a poll would send each step
+        (256 streams of 1000-token prompts: 754 KB and 6.4 ms to pickle a poll, against 51 KB and 1.2 ms)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             unknown = [i for i in request_ids or () if i not in self._outputs]
@@ -200,10 +203,13 @@ class SchedulerActor:
             out = []
             for i in list(self._selected(request_ids, consumer)):
                 if self._outputs.get(i):
-                    out.append(self._outputs[i][-1])
+                    newest = self._outputs[i][-1]
                     self._outputs[i] = []
-                    if out[-1].finished:
+                    if newest.finished:
                         self._forget(i)
+                    elif consumer is not None:
+                        newest = replace(newest, prompt_token_ids=())
+                    out.append(newest)
             return out
 
     def _selected(self, request_ids: list[str] | None, consumer: str | None):

@@ -54,22 +54,27 @@ def demand(path: str, layout: str, tp: int, pp: int, prompts) -> int:
 
 def test_a_consumers_poll_sees_requests_added_while_it_waits_and_no_one_elses():
     """The HTTP ingress polls the outputs of its own requests by consumer name. One added while that poll already
-    waits is seen at its first token, not after the poll's timeout; another consumer's never is."""
-    three = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    waits is seen at its first token, not after the poll's timeout; another consumer's never is. The prompt's
+    token ids come with the final output only."""
+    forty = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     with LLM("tiny", distributed="ray", kv_memory=8 << 20, **SMALL) as llm:
         actor = llm._engine.actor
         waiting = actor.wait_outputs.remote(None, 30.0, "ingress-a")
         time.sleep(0.5)  # the poll waits, its consumer has no request yet
         start = time.monotonic()
-        ray.get(actor.add_requests.remote(["theirs"], [three], True, ["b1"], "ingress-b"))
-        ray.get(actor.add_requests.remote(["mine"], [three], True, ["a1"], "ingress-a"))
-        outputs = ray.get(waiting, timeout=30)
-        assert [o.request_id for o in outputs] == ["a1"] and time.monotonic() - start < 10
-        finals = {}
-        while len(finals) < 2:
+        ray.get(actor.add_requests.remote(["theirs"], [forty], True, ["b1"], "ingress-b"))
+        ray.get(actor.add_requests.remote(["mine"], [forty], True, ["a1"], "ingress-a"))
+        seen = ray.get(waiting, timeout=30)
+        assert [o.request_id for o in seen] == ["a1"] and time.monotonic() - start < 10
+        deadline = time.monotonic() + 60
+        while sum(o.finished for o in seen) < 2 and time.monotonic() < deadline:
             for consumer in ("ingress-a", "ingress-b"):
-                finals |= {o.request_id: o for o in ray.get(actor.wait_outputs.remote(None, 5.0, consumer)) if o.finished}
-        assert sorted(finals) == ["a1", "b1"] and all(len(o.outputs[0].token_ids) == 3 for o in finals.values())
+                seen += ray.get(actor.wait_outputs.remote(None, 5.0, consumer))
+        finals = {o.request_id: o for o in seen if o.finished}
+        assert sorted(finals) == ["a1", "b1"] and all(len(o.outputs[0].token_ids) == 40 for o in finals.values())
+        assert finals["a1"].prompt_token_ids == tuple(b"mine") and finals["b1"].prompt_token_ids == tuple(b"theirs")
+        running = [o for o in seen if not o.finished]
+        assert running and all(o.prompt_token_ids == () for o in running)
 
 
 @pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])

@@ -67,6 +67,7 @@ def test_streams_add_up_to_the_whole_and_report_usage(client):
     chunks = list(client.completions.create(prompt="stream me", stream=True, stream_options={"include_usage": True}, **args))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == len("stream me")  # the final output brings the prompt's ids
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     messages = [{"role": "user", "content": "stream me"}]
     whole = client.chat.completions.create(messages=messages, **args).choices[0].message.content
