@@ -37,18 +37,18 @@ def sync(device: str) -> None:
 
 
 def prefill_seconds(run: str, model: str, lengths: list[int], chunk: int | None, device: str, kv_memory: int) -> list[float]:
-    """Seconds to the first token of one prompt of each length (the longest sets the context and the batch
-    budget: ``chunk`` tokens a step, or the whole prompt)."""
+    """Seconds to the first token of one prompt of each length less one (so that with that token it fills the
+    length: 131072 is Llama 3.1's whole context); the longest sets the batch budget unless ``chunk`` is given."""
     layout, _, attention = run.partition(":")
     longest = max(lengths)
     rng = random.Random(0)
     vocab = PRESETS[model].vocab_size
     out = []
     with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, device=device,
-             dtype="bfloat16" if device == "cuda" else "float32", max_num_seqs=1, max_model_len=longest + 1,
+             dtype="bfloat16" if device == "cuda" else "float32", max_num_seqs=1, max_model_len=longest,
              max_num_batched_tokens=chunk or longest, cuda_graphs=False) as llm:
         for n in lengths:
-            prompt = [rng.randrange(3, vocab - 1) for _ in range(n)]
+            prompt = [rng.randrange(3, vocab - 1) for _ in range(n - 1)]  # with its first token: n of context
             llm.generate([prompt], FIRST_TOKEN)  # warm-up at this length
             sync(device)
             start = time.perf_counter()

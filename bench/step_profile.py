@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import report  # noqa: E402
+import report
 from cluster.engine import LLM
 from throughput import GiB, ceilings
 from worker.config import PRESETS
@@ -67,7 +67,7 @@ def profiled_steps(llm: LLM, count: int) -> dict:
     busy, top = kernel_seconds(prof)
     steps = bare + profiled
     return {"steps": count, "wall_s": sum(s[0] for s in bare), "profiled_wall_s": sum(s[0] for s in profiled),
-            "kernel_s": busy * count / len(profiled), "seqs": [s[1] for s in steps], "tokens": [s[2] for s in steps],
+            "kernel_s": busy, "seqs": [s[1] for s in steps], "tokens": [s[2] for s in steps],
             "prefill_tokens": [s[3] for s in steps], "top_kernels": top}
 
 

@@ -77,7 +77,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> dict:
-    return dict(kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory or 1 << 30,
+    return dict(kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory if args.kv_memory is not None else 1 << 30,
                 kv_memory_fraction=args.kv_memory_fraction, page_size=args.page_size,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy)

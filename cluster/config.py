@@ -9,7 +9,7 @@ the tightest worker's count under ``kv_memory``).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -82,15 +82,17 @@ class EnginePlan:
     def is_sized(self) -> bool:
         return all(w.pool_bytes is not None for w in self.workers)
 
-    def sized(self, budget: int) -> EnginePlan:
-        """This plan with every worker's pool sized to at most ``budget`` bytes (the least KV memory a worker
-        has once its weights are loaded), never more than every slot full would map."""
+    def sized(self, budgets: list[int]) -> EnginePlan:
+        """This plan with every worker's pool sized to the same page count, the most that each worker's KV
+        memory ``budgets`` (plan order, measured once its weights were loaded) holds, never more than every slot
+        full would map."""
         full = min(w.kv_spec.max_slots * w.kv_spec.pages_for(w.kv_spec.max_tokens) for w in self.workers)
-        pages = min(_pages_within(self.workers, budget), full)
-        if pages <= 0:
-            raise ValueError(f"kv_memory_fraction={self.config.kv_memory_fraction} leaves {budget} bytes of KV memory on "
-                             f"the tightest worker: no KV page of {max(map(_slot_page_bytes, self.workers))} bytes fits")
-        return self.with_pages(pages)
+        fits = [b // _slot_page_bytes(w) for w, b in zip(self.workers, budgets, strict=True)]
+        if min(fits) <= 0:
+            w = fits.index(min(fits))
+            raise ValueError(f"kv_memory_fraction={self.config.kv_memory_fraction} leaves {budgets[w]} bytes of KV memory "
+                             f"on the tightest worker: no KV page of {_slot_page_bytes(self.workers[w])} bytes fits")
+        return self.with_pages(min(min(fits), full))
 
     def with_pages(self, pages: int) -> EnginePlan:
         """This plan with pools of ``pages`` slot pages on every worker."""
@@ -120,11 +122,13 @@ class EnginePlan:
 def _fastest_in_place() -> str:
     """flash-attn's kernels where the package is installed (W1 on the H100: 1.08x torch's FA2 end to end,
     bench/results/w1_flash_attn_fused_h100.json), else torch's FA2, saying so."""
-    if importlib.util.find_spec("flash_attn") is not None:
+    try:
+        importlib.import_module("flash_attn")  # imports, not just found: a broken build falls back too
         return "flash_attn"
-    logger.warning("the flash-attn package is not installed: attention runs on torch's FlashAttention-2 (fa2), "
-                   "about 8%% slower end to end on an H100 (tools/build_flash_attn.py builds its kernels)")
-    return "fa2"
+    except Exception as exc:
+        logger.warning("flash-attn does not import (%s): attention runs on torch's FlashAttention-2 (fa2), about 8%% "
+                       "slower end to end on an H100 (tools/build_flash_attn.py builds its kernels)", exc)
+        return "fa2"
 
 
 def _slot_page_bytes(worker: WorkerConfig) -> int:

@@ -52,7 +52,7 @@ class LocalExecutor:
         self.worker = Worker(plan.workers[0], model)
         try:
             if not plan.is_sized:
-                plan = plan.sized(self.worker.kv_memory_available(plan.config.kv_memory_fraction, 1))
+                plan = plan.sized([self.worker.kv_memory_available(plan.config.kv_memory_fraction, 1)])
                 self.worker.allocate(plan.workers[0].pool_bytes)
         except BaseException:
             self.worker.close()

@@ -121,7 +121,7 @@ class RayExecutor:
             if not self.plan.is_sized:  # every worker's weights are in: the pools take a share of what is left
                 fraction = self.plan.config.kv_memory_fraction
                 budgets = ray.get([a.kv_memory_available.remote(fraction, world) for a in self._actors])
-                self.plan = self.plan.sized(min(budgets))
+                self.plan = self.plan.sized(budgets)
                 ray.get([a.allocate.remote(w.pool_bytes) for a, w in zip(self._actors, self.plan.workers, strict=True)])
         except ray.exceptions.RayTaskError as exc:
             raise exc.cause if exc.cause is not None else exc  # the worker's own error (bad model, no memory)

@@ -48,9 +48,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         h = x + residual
         return h, rms_norm_reference(h, weight, eps)
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()  # the kernel reads a row's elements side by side
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # contiguous: the kernel writes rows n apart
     h = torch.empty_like(out) if residual is not None else out
-    r = residual.reshape(-1, x.shape[-1]) if residual is not None else x2
+    r = residual.reshape(-1, x.shape[-1]).contiguous() if residual is not None else x2
     n = x2.shape[-1]
     _rms_norm_kernel[(x2.shape[0],)](x2, r, weight, out, h, x2.stride(0), r.stride(0), n, eps,
                                      HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
@@ -70,6 +72,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not fused(gate_up):
         return silu_mul_reference(gate_up)
     x = gate_up.reshape(-1, gate_up.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     n = x.shape[-1] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
@@ -91,12 +95,13 @@ def rope_qk(qkv: torch.Tensor, n_q: int, n_kv: int, head_dim: int, cos: torch.Te
     ``k [tokens, n_kv, head_dim]``. Fused, in place in ``qkv``."""
     q, k = qkv[:, : n_q * head_dim], qkv[:, n_q * head_dim: (n_q + n_kv) * head_dim]
     q, k = q.view(-1, n_q, head_dim), k.view(-1, n_kv, head_dim)
-    if not fused(qkv):
+    if not fused(qkv) or qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     heads = n_q + n_kv  # k's heads follow q's in each row: one launch rotates both
     if qkv.shape[0]:
         _rope_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads,
-                                      HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads))
+                                      HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2),
+                                      BLOCK_H=triton.next_power_of_2(heads))
     return q, k
 
 
@@ -104,7 +109,7 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, n, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in long prefills
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -119,7 +124,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -130,16 +135,16 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_x, stride_cos, stride_sin, heads,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        tok = tl.program_id(0)
+                     HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_H: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, HALF)[None, :]
-        mask = h < heads
+        d = tl.arange(0, HALF_P2)[None, :]  # head dims like 80 or 100: a power-of-two block, masked
+        mask = (h < heads) & (d < HALF)
         first = x_ptr + tok * stride_x + h * (2 * HALF) + d
         x1 = tl.load(first, mask=mask, other=0.0)
         x2 = tl.load(first + HALF, mask=mask, other=0.0)
-        cos = tl.load(cos_ptr + tok * stride_cos + d).to(tl.float32)
-        sin = tl.load(sin_ptr + tok * stride_sin + d).to(tl.float32)
+        cos = tl.load(cos_ptr + tok * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + tok * stride_sin + d, mask=d < HALF, other=0.0).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         # x * cos + rotate(x) * sin in float32, rounded once (torch rounds each product too: less exact)
         tl.store(first, (a * cos - b * sin).to(x1.dtype), mask=mask)

@@ -72,9 +72,10 @@ class Worker:
         """Bytes of KV memory this worker could take: ``fraction`` of what its device has free now that its
         weights are in. On CPU the host's available memory is split between the ``sharers`` workers."""
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks the loader freed are free, though torch's allocator still holds them
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
-            import psutil  # only CPU workers ask the host (the GPU image need not carry it)
+            import psutil  # only CPU workers ask the host
 
             free = psutil.virtual_memory().available // sharers
         return int(fraction * free)
@@ -82,6 +83,8 @@ class Worker:
     def allocate(self, pool_bytes: int) -> None:
         """Create the KV cache with ``pool_bytes`` of physical pages, then what runs over it (the runner, its
         CUDA graphs captured; swap space; the mapper)."""
+        if self.cache is not None:
+            raise RuntimeError(f"worker pp{self.config.pp_rank} tp{self.config.tp_rank} already has its KV cache")
         c = self.config = replace(self.config, pool_bytes=pool_bytes)
         if c.kv_spec.layout == "paged":
             self.cache = PagedKVCache(c.kv_spec, pool_bytes, self.device)

@@ -73,8 +73,9 @@ def test_a_consumers_poll_sees_requests_added_while_it_waits_and_no_one_elses():
         finals = {o.request_id: o for o in seen if o.finished}
         assert sorted(finals) == ["a1", "b1"] and all(len(o.outputs[0].token_ids) == 40 for o in finals.values())
         assert finals["a1"].prompt_token_ids == tuple(b"mine") and finals["b1"].prompt_token_ids == tuple(b"theirs")
+        assert finals["a1"].prompt == "mine"
         running = [o for o in seen if not o.finished]
-        assert running and all(o.prompt_token_ids == () for o in running)
+        assert running and all(o.prompt_token_ids == () and o.prompt is None for o in running)
 
 
 @pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])
