@@ -95,13 +95,15 @@ def rope_qk(qkv: torch.Tensor, n_q: int, n_kv: int, head_dim: int, cos: torch.Te
     ``k [tokens, n_kv, head_dim]``. Fused, in place in ``qkv``."""
     q, k = qkv[:, : n_q * head_dim], qkv[:, n_q * head_dim: (n_q + n_kv) * head_dim]
     q, k = q.view(-1, n_q, head_dim), k.view(-1, n_kv, head_dim)
-    if not fused(qkv) or qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+    half = head_dim // 2
+    # The kernel spans half a head in one power-of-two block (Triton's aranges): other head dims (80, 100) and
+    # strided rows take the torch expression.
+    if not fused(qkv) or half & (half - 1) or qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     heads = n_q + n_kv  # k's heads follow q's in each row: one launch rotates both
     if qkv.shape[0]:
         _rope_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads,
-                                      HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2),
-                                      BLOCK_H=triton.next_power_of_2(heads))
+                                      HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads))
     return q, k
 
 
@@ -135,16 +137,16 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_x, stride_cos, stride_sin, heads,
-                     HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_H: tl.constexpr):
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, HALF_P2)[None, :]  # head dims like 80 or 100: a power-of-two block, masked
-        mask = (h < heads) & (d < HALF)
+        d = tl.arange(0, HALF)[None, :]
+        mask = h < heads
         first = x_ptr + tok * stride_x + h * (2 * HALF) + d
         x1 = tl.load(first, mask=mask, other=0.0)
         x2 = tl.load(first + HALF, mask=mask, other=0.0)
-        cos = tl.load(cos_ptr + tok * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + tok * stride_sin + d, mask=d < HALF, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + tok * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + tok * stride_sin + d).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         # x * cos + rotate(x) * sin in float32, rounded once (torch rounds each product too: less exact)
         tl.store(first, (a * cos - b * sin).to(x1.dtype), mask=mask)
