@@ -45,25 +45,26 @@ def kernel_seconds(prof) -> tuple[float, list[tuple[str, float, int]]]:
     return busy / 1e6, top
 
 
-def timed_steps(llm: LLM, count: int) -> list[tuple[float, int, int, int]]:
-    """``count`` steps, each synchronised: (wall s, sequences, tokens, prefill tokens) of each."""
+def timed_steps(llm: LLM, count: int, every: bool) -> list[tuple[float, int, int, int]]:
+    """``count`` steps, each synchronised: (wall s, sequences, tokens, prefill tokens) of each. ``every``: every
+    request's output is built each step (as streaming does), else only the finished ones' (as ``generate``)."""
     out = []
     for _ in range(count):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        llm.step()
+        llm.step(finished_only=not every)
         torch.cuda.synchronize()
         info = llm.last_step
         out.append((time.perf_counter() - start, info.num_seqs, info.num_tokens, info.num_prefill_tokens))
     return out
 
 
-def profiled_steps(llm: LLM, count: int) -> dict:
+def profiled_steps(llm: LLM, count: int, every: bool) -> dict:
     """``count`` steps timed bare, then ``count`` more under the profiler (which slows the host a little):
     the bare wall time, and the kernel time of the profiled ones."""
-    bare = timed_steps(llm, count)
+    bare = timed_steps(llm, count, every)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        profiled = timed_steps(llm, count)
+        profiled = timed_steps(llm, count, every)
     busy, top = kernel_seconds(prof)
     steps = bare + profiled
     return {"steps": count, "wall_s": sum(s[0] for s in bare), "profiled_wall_s": sum(s[0] for s in profiled),
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--host-profile", action="store_true", help="also cProfile the host side of decode steps")
+    parser.add_argument("--outputs-every-step", action="store_true",
+                        help="build every request's output each step, as streaming does (default: as generate does)")
     parser.add_argument("--name", default="step_profile")
     args = parser.parse_args()
     config = PRESETS[args.model]
@@ -99,15 +102,15 @@ def main() -> None:
         llm.generate([p[:512] for p in prompts], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         for p in prompts:
             llm.add_request(p, SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True))
-        prefill = profiled_steps(llm, 3)  # chunked prefill: 8192-token steps (W1 has ~20 of them)
+        prefill = profiled_steps(llm, 3, args.outputs_every_step)  # chunked prefill: 8192-token steps (W1 has ~20 of them)
         assert all(prefill["prefill_tokens"]), "the prefill ended before the profile did"
         while llm.last_step.num_prefill_tokens or llm.last_step.num_seqs < args.requests:
             llm.step()  # the rest of the prefill: then every request decodes at once
-        timed_steps(llm, 4)  # settle
-        decode = profiled_steps(llm, args.steps)
+        timed_steps(llm, 4, args.outputs_every_step)  # settle
+        decode = profiled_steps(llm, args.steps, args.outputs_every_step)
         if args.host_profile:  # where the host's part of a decode step goes (cProfile; slows the host ~2x)
             host = cProfile.Profile()
-            host.runcall(timed_steps, llm, args.steps)
+            host.runcall(timed_steps, llm, args.steps, args.outputs_every_step)
             pstats.Stats(host).sort_stats("tottime").print_stats(30)
         assert not any(decode["prefill_tokens"]) and set(decode["seqs"]) == {args.requests}
         context = sum(map(len, prompts)) + args.requests * (args.output // 2)  # mid-decode, roughly
@@ -129,7 +132,8 @@ def main() -> None:
         for name, t, c in r["top_kernels"]:
             print(f"  {t * 1e3:9.2f} ms {c:6d}  {name[:110]}")
     data = {"model": args.model, "layout": args.layout, "attention": args.attention, "requests": args.requests,
-            "async_scheduling": args.async_scheduling, "ceilings": ceil, "prefill": prefill, "decode": decode,
+            "async_scheduling": args.async_scheduling, "outputs_every_step": args.outputs_every_step,
+            "ceilings": ceil, "prefill": prefill, "decode": decode,
             "decode_context_tokens": context, "weight_bytes": weight_bytes}
     report.write(args.name, headers, rows, data, Path(report.RESULTS))
 
