@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import report
 from cluster.engine import LLM
-from throughput import GiB, ceilings
+from throughput import GiB, ceilings, model_sizes
 from worker.config import PRESETS
 from worker.sampling import SamplingParams
 
@@ -92,10 +92,7 @@ def main() -> None:
     prompts = [[rng.randrange(1000, config.vocab_size - 1) for _ in range(rng.randint(512, 2048))]
                for _ in range(args.requests)]
     ceil = ceilings()
-    h, kv, q = config.hidden_size, config.num_kv_heads * config.head_dim, config.num_heads * config.head_dim
-    params = config.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size)
-    weight_bytes = 2 * (params + h * config.vocab_size)
-    kv_token = 2 * config.num_layers * kv * 2
+    params, weight_bytes, kv_token = model_sizes(config)
     with LLM(args.model, kv_layout=args.layout, attention=args.attention, kv_memory=40 * GiB, device="cuda",
              dtype="bfloat16", max_num_seqs=args.requests, max_model_len=2048 + args.output,
              max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling) as llm:

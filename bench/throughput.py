@@ -58,17 +58,20 @@ def ceilings() -> dict:
     return {"matmul_flops": flops, "copy_bytes_per_s": bandwidth}
 
 
+def model_sizes(c: ModelConfig) -> tuple[int, int, int]:
+    """(the layers' matmul parameters, bf16 bytes of the weights a decode step reads, bf16 KV bytes a token)."""
+    h, kv, q = c.hidden_size, c.num_kv_heads * c.head_dim, c.num_heads * c.head_dim
+    matmul_params = c.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size)
+    return matmul_params, 2 * (matmul_params + h * c.vocab_size), 2 * c.num_layers * kv * 2
+
+
 def floor_seconds(c: ModelConfig, prompts: list[list[int]], output: int, ceil: dict) -> dict:
     """Prefill matmul + attention FLOPs over the matmul rate; per decode step, weights + KV read over
     the copy bandwidth."""
-    h, kv = c.hidden_size, c.num_kv_heads * c.head_dim
-    q = c.num_heads * c.head_dim
-    layer_params = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size
-    matmul_params = c.num_layers * layer_params
+    h, q = c.hidden_size, c.num_heads * c.head_dim
+    matmul_params, weight_bytes, kv_token = model_sizes(c)
     lengths = [len(p) for p in prompts]
     prefill = sum(2 * n * matmul_params + 2 * n * n * q * c.num_layers + 2 * h * c.vocab_size for n in lengths)
-    weight_bytes = 2 * (matmul_params + h * c.vocab_size)
-    kv_token = 2 * c.num_layers * kv * 2
     decode_bytes = sum(weight_bytes + kv_token * sum(n + t for n in lengths) for t in range(output))
     p, d = prefill / ceil["matmul_flops"], decode_bytes / ceil["copy_bytes_per_s"]
     return {"prefill_flops": prefill, "decode_bytes": decode_bytes, "prefill_s": p, "decode_s": d, "total_s": p + d}

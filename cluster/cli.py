@@ -76,9 +76,14 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device")
 
 
+def _kv_size(args: argparse.Namespace) -> dict:
+    """The KV pool's size as given: a fixed ``kv_memory`` (else the engine's default) or a fraction."""
+    fixed = {"kv_memory": args.kv_memory} if args.kv_memory is not None else {}
+    return {**fixed, "kv_memory_fraction": args.kv_memory_fraction}
+
+
 def _engine_config(args: argparse.Namespace) -> dict:
-    return dict(kv_layout=args.kv_layout, attention=args.attention, kv_memory=args.kv_memory if args.kv_memory is not None else 1 << 30,
-                kv_memory_fraction=args.kv_memory_fraction, page_size=args.page_size,
+    return dict(kv_layout=args.kv_layout, attention=args.attention, **_kv_size(args), page_size=args.page_size,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy)
 
@@ -130,8 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         serve_args = ServeArgs.parse(dict(
             model=args.model, served_model_name=args.served_model_name, tensor_parallel_size=args.tp,
-            pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention,
-            **({"kv_memory": args.kv_memory} if args.kv_memory is not None else {}), kv_memory_fraction=args.kv_memory_fraction,
+            pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention, **_kv_size(args),
             page_size=args.page_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
             device=args.device, placement_strategy=args.placement_strategy, num_replicas=args.num_replicas,
             ingress_replicas=args.ingress_replicas,

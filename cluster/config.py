@@ -87,7 +87,7 @@ class EnginePlan:
         memory ``budgets`` (plan order, measured once its weights were loaded) holds, never more than every slot
         full would map."""
         full = min(w.kv_spec.max_slots * w.kv_spec.pages_for(w.kv_spec.max_tokens) for w in self.workers)
-        fits = [b // _slot_page_bytes(w) for w, b in zip(self.workers, budgets, strict=True)]
+        fits = _pages_within(self.workers, budgets)
         if min(fits) <= 0:
             w = fits.index(min(fits))
             raise ValueError(f"kv_memory_fraction={self.config.kv_memory_fraction} leaves {budgets[w]} bytes of KV memory "
@@ -136,8 +136,9 @@ def _slot_page_bytes(worker: WorkerConfig) -> int:
     return worker.kv_spec.page_bytes * worker.kv_spec.num_buffers
 
 
-def _pages_within(workers, budget: int) -> int:
-    return min(budget // _slot_page_bytes(w) for w in workers)
+def _pages_within(workers, budgets: list[int]) -> list[int]:
+    """The slot pages each worker's budget holds."""
+    return [b // _slot_page_bytes(w) for w, b in zip(workers, budgets, strict=True)]
 
 
 def parse_size(text: str | int) -> int:
@@ -237,7 +238,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                          overlap)
     if fraction is not None:
         return unsized  # the executor sizes it once the workers' weights are in (``EnginePlan.sized``)
-    pages = _pages_within(workers, config.kv_memory)
+    pages = min(_pages_within(workers, [config.kv_memory] * len(workers)))
     if pages <= 0:
         raise ValueError(f"kv_memory={config.kv_memory} bytes holds no KV page of {max(map(_slot_page_bytes, workers))} bytes")
     return unsized.with_pages(pages)

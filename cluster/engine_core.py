@@ -61,6 +61,10 @@ class PreparedRequest:
     params: SamplingParams
 
 
+#: A sequence whose incremental decoder failed is decoded whole each step instead (``EngineCore._text``).
+DECODE_WHOLE = object()
+
+
 class EngineCore:
     def __init__(self, plan: EnginePlan, executor: Executor, tokenizer: Tokenizer):
         self.plan = plan
@@ -287,9 +291,17 @@ class EngineCore:
             return seq.final_text
         if seq.detokenizer is None:
             seq.detokenizer = self.tokenizer.detokenizer()
-        start = seq.num_prompt_tokens + seq.decoded
-        seq.text += "".join(map(seq.detokenizer.step, seq.token_ids[start:]))
-        seq.decoded = len(seq.token_ids) - seq.num_prompt_tokens
+        new = seq.token_ids[seq.num_prompt_tokens + seq.decoded:]
+        seq.decoded += len(new)
+        if seq.detokenizer is not DECODE_WHOLE:
+            try:
+                seq.text += "".join(map(seq.detokenizer.step, new))
+                return seq.text
+            except Exception:  # tokenizers' DecodeStream has raised on real tokenizers ("Invalid prefix encountered")
+                seq.detokenizer = DECODE_WHOLE  # this sequence only, from now on: slower, never wrong
+        whole = self.tokenizer.decode(seq.output_token_ids).rstrip("\ufffd")
+        if whole.startswith(seq.text):  # streamed text is never taken back
+            seq.text = whole
         return seq.text
 
     def _token_texts(self, seq: Sequence) -> dict[int, str]:

@@ -67,6 +67,11 @@ def panels(dashboard: dict) -> list[dict]:
     return out
 
 
+def charts(dashboard: dict) -> list[dict]:
+    """The panels that show data: every panel but the row headers."""
+    return [p for p in panels(dashboard) if p["type"] != "row"]
+
+
 def formatter(unit: str | None):
     """A tick / value formatter for Grafana's unit names the dashboards use."""
     def scaled(value: float, steps: list[tuple[float, str]], digits: int = 1) -> str:
@@ -89,9 +94,7 @@ def collect(dashboard: dict, api: str, start: float, end: float, variables: dict
     """Each panel's series (by panel id) over ``[start, end]``."""
     step = max(1.0, (end - start) / 240)
     out: dict[int, list[Series]] = {}
-    for p in panels(dashboard):
-        if p["type"] == "row":
-            continue
+    for p in charts(dashboard):
         series = []
         for target in p.get("targets", []):
             for result in query_range(api, substitute(target["expr"], variables), start, end, step):
@@ -155,7 +158,7 @@ def render(dashboard: dict, api: str, path: Path, minutes: float, variables: dic
     end = time.time()
     data = collect(dashboard, api, end - 60 * minutes, end, variables)
     draw(dashboard, data, path, minutes)
-    return {p["title"]: len(data[p["id"]]) for p in panels(dashboard) if p["type"] != "row"}
+    return {p["title"]: len(data[p["id"]]) for p in charts(dashboard)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,7 @@ class OutputCollector:
                 # The caller went away (or the engine failed): free their memory now. From a context of its own:
                 # when Serve cancels a request (its client gone) Ray also cancels the calls the request made, and
                 # an abort sent from the request's context is cancelled with it if it has not run yet.
-                contextvars.Context().run(lambda: [scheduler.actor.abort.remote(i) for i in live])
+                contextvars.Context().run(_abort, scheduler, live)
 
     def _poll(self, scheduler: SchedulerRef) -> None:
         task = self._pollers.get(scheduler.name)
@@ -105,3 +105,8 @@ class OutputCollector:
             for out in outputs:
                 if (queue := self._queues.get(out.request_id)) is not None:  # else aborted: nobody waits
                     queue.put_nowait(out)
+
+
+def _abort(scheduler: SchedulerRef, request_ids: set[str]) -> None:
+    for i in request_ids:
+        scheduler.actor.abort.remote(i)

@@ -103,7 +103,7 @@ def rope_qk(qkv: torch.Tensor, n_q: int, n_kv: int, head_dim: int, cos: torch.Te
     heads = n_q + n_kv  # k's heads follow q's in each row: one launch rotates both
     if qkv.shape[0]:
         _rope_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), heads,
-                                      HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads))
+                                      HALF=half, BLOCK_H=triton.next_power_of_2(heads))
     return q, k
 
 

@@ -112,31 +112,15 @@ class _ByteDetokenizer:
 
 
 class _StreamDetokenizer:
-    """``tokenizers``' own incremental decoder (it holds back bytes of a character split over tokens). Should it
-    fail on a sequence (vLLM met "Invalid prefix encountered" on real tokenizers), that sequence is decoded whole
-    each step from then on: slower, never wrong, and never the end of the request."""
+    """``tokenizers``' own incremental decoder (it holds back bytes of a character split over tokens)."""
 
     def __init__(self, tok):
         from tokenizers.decoders import DecodeStream
 
         self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
-        self._ids: list[int] = []
-        self._text = ""
-        self._failed = False
 
     def step(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        if not self._failed:
-            try:
-                chunk = self._stream.step(self._tok, token_id) or ""
-                self._text += chunk
-                return chunk
-            except Exception:
-                self._failed = True
-        whole = self._tok.decode(self._ids, skip_special_tokens=True).rstrip("\ufffd")
-        chunk = whole[len(self._text):] if whole.startswith(self._text) else ""
-        self._text += chunk
-        return chunk
+        return self._stream.step(self._tok, token_id) or ""
 
 
 def load_tokenizer(model: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

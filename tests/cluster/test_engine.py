@@ -81,6 +81,26 @@ def test_stream_yields_growing_outputs(llm):
     assert all(seen[i] == seen[-1][: i + 1] for i in range(5))
 
 
+def test_a_failing_incremental_decoder_falls_back_to_whole_decodes(llm):
+    """``tokenizers``' DecodeStream has raised on real tokenizers ("Invalid prefix encountered"): the sequence's
+    text goes on, decoded whole, instead of the error failing every request in the step."""
+
+    class Broken:
+        def step(self, token_id):
+            raise Exception("Invalid prefix encountered")
+
+    rid = llm.add_request("abc", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    texts = []
+    while llm.scheduler.has_work:
+        for o in llm.step():
+            texts.append(o.outputs[0].text)
+            if len(o.outputs[0].token_ids) == 5:
+                llm.core._requests[rid].seqs[0].detokenizer = Broken()  # the library's failure, from here on
+            if not o.finished:
+                assert o.outputs[0].text == llm.tokenizer.decode(list(o.outputs[0].token_ids)).rstrip("\ufffd")
+    assert len(texts) == 24 and all(texts[-1].startswith(t) for t in texts)
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [

@@ -45,22 +45,13 @@ def documented() -> set[str]:
     return set(re.findall(r"^\| `(vattn:[a-z0-9_:]+)` \|", DOC.read_text(), re.M))
 
 
-def panels(dashboard: dict) -> list[dict]:
-    """Every panel but the row headers, those inside collapsed rows included."""
-    out = []
-    for p in dashboard["panels"]:
-        out += p.get("panels", []) if p["type"] == "row" else [p]
-    return out
-
-
 def exprs(panel: dict) -> list[str]:
     return [t["expr"] for t in panel.get("targets", []) if t.get("expr")]
 
 
 def substitute(text: str, model: str) -> str:
     """``text`` with the dashboard variables replaced as Grafana does for "All" everywhere but ``$model``."""
-    values = {"__rate_interval": RATE_INTERVAL, "model": model}
-    out = re.sub(r"\$(\w+)", lambda m: values.get(m.group(1), ".*"), text)
+    out = PREVIEW.substitute(text, {"__rate_interval": RATE_INTERVAL, "model": model})
     assert "$" not in out, out
     return out
 
@@ -88,7 +79,7 @@ def test_dashboards_identity_and_variables():
 def test_every_panel_queries_documented_metrics_through_the_variables():
     names, problems = documented(), []
     for name, d in DASHBOARDS.items():
-        for p in panels(d):
+        for p in PREVIEW.charts(d):
             if not exprs(p):
                 problems.append(f"{name} {p['title']!r}: no query")
             if p["datasource"]["uid"] != "${datasource}" or not p.get("description") \
@@ -159,7 +150,7 @@ def test_every_panel_returns_data_from_a_live_server(server, tmp_path):
         empty = []
         for name, d in DASHBOARDS.items():
             for model in ("tiny", ".*"):
-                for p in panels(d):
+                for p in PREVIEW.charts(d):
                     for expr in exprs(p):
                         q = substitute(expr, model)
                         if not prom.query(q):
@@ -175,7 +166,7 @@ def test_every_panel_returns_data_from_a_live_server(server, tmp_path):
         for name, d in DASHBOARDS.items():
             counts = PREVIEW.render(d, prom.api, out / name.replace(".json", ".png"), minutes,
                                     {"__rate_interval": RATE_INTERVAL})
-            assert all(counts.values()) and len(counts) == len(panels(d)), (name, counts)
+            assert all(counts.values()) and len(counts) == len(PREVIEW.charts(d)), (name, counts)
 
         # the variables' own queries list what the panels filter on; no namespace label outside Kubernetes (hence
         # All = .*), one engine replica of one worker here

@@ -71,20 +71,3 @@ def test_trained_tokenizers_on_real_text(hf_tokenizer, text):
     check_prefixes(hf_tokenizer, ids)
     detok = hf_tokenizer.detokenizer()
     assert "".join(map(detok.step, ids)) == hf_tokenizer.decode(ids) == text
-
-
-def test_a_failing_stream_falls_back_to_whole_decodes(hf_tokenizer):
-    """``tokenizers``' DecodeStream has raised on real tokenizers ("Invalid prefix encountered"): the sequence's
-    text goes on, decoded whole, instead of the error failing every request in the step."""
-
-    class Broken:
-        def step(self, tokenizer, token_id):
-            raise Exception("Invalid prefix encountered")
-
-    ids = hf_tokenizer.encode(CORPUS[1])
-    detok = hf_tokenizer.detokenizer()
-    text = "".join(detok.step(t) for t in ids[:5])
-    detok._stream = Broken()  # the library's failure, from here on
-    text += "".join(detok.step(t) for t in ids[5:])
-    assert text == hf_tokenizer.decode(ids) == CORPUS[1]
-
