@@ -20,7 +20,7 @@ import torch
 from kvmem import KVCacheSpec
 from cluster.scheduler import SchedulerConfig
 from kvmem.ledger import PageLedger
-from worker.attention import IN_PLACE
+from worker.attention import IN_PLACE, PAGED_KERNELS
 from worker.config import PRESETS, ModelConfig
 from worker.worker import WorkerConfig
 
@@ -46,7 +46,7 @@ class EngineConfig:
     kv_memory: int = 1 << 30
     kv_memory_fraction: float | None = None
     page_size: int = 2 << 20
-    block_size: int = 16
+    block_size: int | None = None  # tokens per block of the ``paged`` layout: 256 for flash-attn's kernel, else 16
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: int = 4 << 30
     dtype: str = "auto"
@@ -119,16 +119,17 @@ class EnginePlan:
         return ledger
 
 
-def _fastest_in_place() -> str:
+def _fastest(layout: str) -> str:
     """flash-attn's kernels where the package is installed (W1 on the H100: 1.08x torch's FA2 end to end,
-    bench/results/w1_flash_attn_fused_h100.json), else torch's FA2, saying so."""
+    bench/results/w1_flash_attn_fused_h100.json), else torch's FA2 (a paged layout: gather + FA2), saying so."""
+    fallback = "paged" if layout == "paged" else "fa2"
     try:
         importlib.import_module("flash_attn")  # imports, not just found: a broken build falls back too
-        return "flash_attn"
+        return "flash_attn_paged" if layout == "paged" else "flash_attn"
     except Exception as exc:
-        logger.warning("flash-attn does not import (%s): attention runs on torch's FlashAttention-2 (fa2), about 8%% "
-                       "slower end to end on an H100 (tools/build_flash_attn.py builds its kernels)", exc)
-        return "fa2"
+        logger.warning("flash-attn does not import (%s): attention runs on torch's FlashAttention-2 (%s), slower "
+                       "(tools/build_flash_attn.py builds flash-attn's kernels)", exc, fallback)
+        return fallback
 
 
 def _slot_page_bytes(worker: WorkerConfig) -> int:
@@ -206,19 +207,25 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {config.dtype!r}")
     layout = config.kv_layout
-    attention = config.attention or ("paged" if layout == "paged" else _fastest_in_place() if device == "cuda" else "torch")
+    attention = config.attention or (_fastest(layout) if device == "cuda" else "torch")
     if attention in IN_PLACE and (layout == "paged" or device != "cuda"):
         raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
-    if attention in IN_PLACE and model.head_dim % 8:
+    if attention in PAGED_KERNELS and (layout != "paged" or device != "cuda"):
+        raise ValueError(f"attention {attention!r} needs the paged KV layout on CUDA")
+    if attention in (*IN_PLACE, *PAGED_KERNELS) and model.head_dim % 8:
         # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.
         raise ValueError(f"attention {attention!r} needs head_dim a multiple of 8, got {model.head_dim}")
-    graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in IN_PLACE and tp * pp == 1
-    if graphs and attention not in IN_PLACE:
-        raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {IN_PLACE}, got {attention!r}")
+    block_size = config.block_size if config.block_size is not None else 256 if attention in PAGED_KERNELS else 16
+    if attention in PAGED_KERNELS and block_size % 256:
+        raise ValueError(f"attention {attention!r} reads blocks of a multiple of 256 tokens, got block_size={block_size}")
+    in_place = (*IN_PLACE, *PAGED_KERNELS)  # kernels whose reads fit a CUDA graph's fixed buffers
+    graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place and tp * pp == 1
+    if graphs and attention not in in_place:
+        raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {in_place}, got {attention!r}")
     if graphs and tp * pp > 1:
         raise ValueError("cuda_graphs run the whole model on one worker: turn them off with tensor or pipeline parallelism")
     slots = config.max_num_seqs + (1 if graphs else 0)  # CUDA graphs hold one slot as scratch for padded rows
-    page = config.block_size if layout == "paged" else config.page_size  # tokens per block, or bytes per page
+    page = block_size if layout == "paged" else config.page_size  # tokens per block, or bytes per page
     # Mega pages span a stage's layers: pad every stage to the longest so that all share tokens per page.
     layers = max(len(r) for r in ranges)
     dtype = DTYPES[dtype_name]

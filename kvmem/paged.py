@@ -64,15 +64,13 @@ class PagedKVCache(NumberedSlotCache):
         with self._lock:
             return list(self._in_use(slot).pages)
 
-    def block_tables(self, slots: list[int]) -> torch.Tensor:
-        """``[len(slots), max_blocks]`` int32 block tables, padded with 0."""
+    def block_tables(self, slots: list[int], device: torch.device | str | None = None) -> torch.Tensor:
+        """``[len(slots), max_blocks]`` int32 block tables, padded with 0, on ``device`` (the cache's if None)."""
         with self._lock:
             tables = [self._in_use(s).pages for s in slots]
             width = max((len(t) for t in tables), default=0)
-            out = torch.zeros(len(slots), width, dtype=torch.int32)
-            for row, table in enumerate(tables):
-                out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            return out.to(self.device)
+            out = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(slots), width)
+            return out.to(self.device if device is None else device)
 
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``slot``'s K and V of ``layer`` as contiguous ``[tokens, H, D]`` copies (reference path)."""

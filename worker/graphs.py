@@ -1,9 +1,9 @@
 """CUDA graphs of the decode step: one token per sequence, batch padded to a bucket, replayed instead of
 launching ~45 kernels per layer from Python.
 
-Only for the virtual cache with a backend that reads it in place (fa2, flash_attn): their reads are
-addressed by slot and length, which fit in fixed buffers; a gather needs a variable number of rows.
-Padding rows read and write one token of a scratch slot.
+Only for backends that read the cache where it is: by slot and length (fa2, flash_attn over the virtual
+cache) or through block tables (flash_attn_paged), which fit in fixed buffers; a gather needs a variable
+number of rows. Padding rows read and write one token of a scratch slot.
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ class DecodeGraphs:
         self.device = rope_table.device
         self.buckets = sorted({min(b, max_batch) for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)} | {max_batch})
         self.scratch = scratch
-        # Rows: token, position, slot. Everything else the step needs follows from them on the device.
+        # Rows: token, position, slot. Everything else the step needs follows from them on the device (and,
+        # for a paged cache, from the block tables).
         self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)
+        self.paged = backend.reads == "blocks"
+        width = -(-cache.spec.max_tokens // cache.block_size) if self.paged else 0
+        self.tables = torch.zeros(max_batch, width, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -45,6 +49,10 @@ class DecodeGraphs:
             [c.slot for c in chunks] + [self.scratch] * pad,
         ])
         self.inputs[:, :size].copy_(host, non_blocking=True)
+        if self.paged:
+            # Columns past a row's blocks keep stale ids, which the kernel never reads (it stops at the length).
+            tables = self.cache.block_tables([c.slot for c in chunks] + [self.scratch] * pad, "cpu")
+            self.tables[:size, : tables.shape[1]].copy_(tables, non_blocking=True)
         if size not in self.graphs:
             self._capture(size)
         self.graphs[size].replay()
@@ -52,14 +60,22 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens, positions, slots = self.inputs[:, :size]
-        # A virtual cache: token t of slot s is row s * slot_tokens + t (the layout of cache.token_rows).
-        stride = self.cache.spec.slot_tokens
-        starts = slots * stride
+        if self.paged:  # token t of a slot is row b * block_size + t % block_size, b its table's (t // block_size)th
+            stride = self.cache.block_size
+            tables = self.tables[:size]
+            block = tables.gather(1, (positions // stride)[:, None])[:, 0].long()
+            write_rows = block * stride + positions % stride
+            starts = block * 0
+        else:  # a virtual cache: token t of slot s is row s * slot_tokens + t (the layout of cache.token_rows)
+            stride = self.cache.spec.slot_tokens
+            tables = None
+            starts = slots * stride
+            write_rows = starts + positions
         starts32 = starts.to(torch.int32)
         seq_starts = torch.cat([starts32, starts32[-1:]])
         meta = AttentionMetadata(
             seqs=(),
-            write_rows=starts + positions,
+            write_rows=write_rows,
             kv_rows=None,
             cu_seqlens_q=torch.arange(size + 1, device=self.device, dtype=torch.int32),
             cu_seqlens_k=seq_starts,  # read only by gathering backends, which never run in a graph
@@ -69,6 +85,7 @@ class DecodeGraphs:
             slot_tokens=stride,
             max_query_len=1,
             max_kv_len=self.cache.spec.max_tokens,
+            block_tables=tables,
         )
         hidden = self.model(tokens, rope_for(self.rope_table, positions, self.dtype), AttentionStep(self.cache, self.backend, meta))
         return self.model.logits(hidden)

@@ -67,7 +67,7 @@ class ModelRunner:
         self.samples = samples
         self._graphs = None
         if graph_batch:
-            if self.device.type != "cuda" or backend.gathers:
+            if self.device.type != "cuda" or backend.reads == "rows":
                 raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
             if not (model.is_first and model.is_last) or scratch_slot is None:
                 raise ValueError("CUDA graphs need the whole model on one worker and a scratch slot")
@@ -106,7 +106,7 @@ class ModelRunner:
         else:
             inputs = inputs.to(self.device)
         seqs = [SeqAttention(c.slot, len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
-        meta = AttentionMetadata.build(seqs, self.cache, self.device, self.backend.gathers)
+        meta = AttentionMetadata.build(seqs, self.cache, self.device, self.backend.reads)
         rope = rope_for(self._rope, positions, self._dtype)
         return self.model(inputs, rope, AttentionStep(self.cache, self.backend, meta))
 

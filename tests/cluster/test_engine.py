@@ -151,18 +151,32 @@ def test_a_kv_memory_fraction_sizes_the_pool_after_the_weights_load(layout):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
-def test_the_default_attention_on_cuda_is_the_fastest_installed(caplog):
+@pytest.mark.parametrize(("layout", "fastest", "fallback"), [("mega", "flash_attn", "fa2"), ("paged", "flash_attn_paged", "paged")])
+def test_the_default_attention_on_cuda_is_the_fastest_installed(caplog, layout, fastest, fallback):
     import importlib.util
 
     from cluster.config import EngineConfig, plan
 
-    chosen = plan(EngineConfig("tiny", device="cuda"), PRESETS["tiny"], "cuda").attention  # plans only: no GPU needed
+    chosen = plan(EngineConfig("tiny", device="cuda", kv_layout=layout), PRESETS["tiny"], "cuda")  # plans only: no GPU needed
     if importlib.util.find_spec("flash_attn") is not None:
-        assert chosen == "flash_attn"
+        assert chosen.attention == fastest
     else:
-        assert chosen == "fa2" and "flash-attn does not import (No module named 'flash_attn'): attention runs on " \
-                                   "torch's FlashAttention-2 (fa2), about 8% slower" in caplog.text
+        assert chosen.attention == fallback and "flash-attn does not import (No module named 'flash_attn'): attention " \
+                                                f"runs on torch's FlashAttention-2 ({fallback}), slower" in caplog.text
+    # flash-attn's paged kernel reads blocks of 256 tokens; the gather path keeps vLLM's 16
+    assert chosen.ledger_spec.page_size == (256 if chosen.attention == "flash_attn_paged" else 16 if layout == "paged" else 2 << 20)
     assert plan(EngineConfig("tiny", device="cuda", attention="fa2"), PRESETS["tiny"], "cuda").attention == "fa2"
+
+
+def test_the_paged_kernel_needs_the_paged_layout_and_blocks_of_256_tokens():
+    from cluster.config import EngineConfig, plan
+
+    with pytest.raises(ValueError, match="attention 'flash_attn_paged' needs the paged KV layout on CUDA"):
+        plan(EngineConfig("tiny", device="cuda", attention="flash_attn_paged"), PRESETS["tiny"], "cuda")
+    with pytest.raises(ValueError, match="attention 'flash_attn_paged' reads blocks of a multiple of 256 tokens, got block_size=16"):
+        plan(EngineConfig("tiny", device="cuda", kv_layout="paged", attention="flash_attn_paged", block_size=16), PRESETS["tiny"], "cuda")
+    paged = plan(EngineConfig("tiny", device="cuda", kv_layout="paged", attention="flash_attn_paged"), PRESETS["tiny"], "cuda")
+    assert paged.workers[0].graph_batch > 0  # its reads fit a CUDA graph too
 
 
 @pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn")])

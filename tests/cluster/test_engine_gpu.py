@@ -1,5 +1,5 @@
 """The whole engine on the GPU: FA2 (torch's, and flash-attn's where installed) over the virtual cache with
-CUDA-graph decode, and the paged gather path, against the eager reference attention on the same weights (bf16, so a near-tie may flip a token:
+CUDA-graph decode, and the paged cache through the gather path and through flash-attn's block tables, against the eager reference attention on the same weights (bf16, so a near-tie may flip a token:
 the first token of every prompt must match and nearly all the rest)."""
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ def generate(path: str, prompts: list[list[int]], layout: str, attention: str, g
 @pytest.mark.parametrize(("layout", "attention", "graphs"), [
     ("mega", "fa2", True), ("per_layer", "fa2", True), ("mega", "fa2", False), ("paged", "paged", False),
     ("mega", "flash_attn", True), ("per_layer", "flash_attn", False),
+    ("paged", "flash_attn_paged", True), ("paged", "flash_attn_paged", False),
 ])
 def test_fast_paths_agree_with_the_reference_engine(hf_model, layout, attention, graphs):
     if cuda_missing():
         pytest.skip(cuda_missing())
-    if attention == "flash_attn":
+    if attention.startswith("flash_attn"):
         pytest.importorskip("flash_attn")
     path, prompts, _ = hf_model
     want = generate(path, prompts, "mega", "torch", False)

@@ -40,15 +40,15 @@ def cases(max_tokens: int) -> dict[str, list[tuple[int, int]]]:
 
 def run(cache, backend: str, seqs, q, device) -> torch.Tensor:
     impl = get_backend(backend, device)
-    meta = AttentionMetadata.build(seqs, cache, torch.device(device), impl.gathers)
+    meta = AttentionMetadata.build(seqs, cache, torch.device(device), impl.reads)
     k_rows, v_rows = cache.rows(1)
     return impl.forward(q, k_rows, v_rows, meta).float()
 
 
-def setup(cache_kind: str, layout: str, device: str, case: list[tuple[int, int]]):
+def setup(cache_kind: str, layout: str, device: str, case: list[tuple[int, int]], block_size: int = 16):
     max_tokens = 1024
     if cache_kind == "paged":
-        spec = paged_spec(LAYERS, KV_HEADS, DIM, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+        spec = paged_spec(LAYERS, KV_HEADS, DIM, block_size, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                           max_slots=8, max_tokens=max_tokens)
         cache = PagedKVCache(spec, 8 * max_tokens * spec.bytes_per_token, device)
     else:
@@ -82,27 +82,31 @@ def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_in_place_backends_need_cuda():
-    for name in ("fa2", "flash_attn"):
+    for name in ("fa2", "flash_attn", "flash_attn_paged"):
         with pytest.raises(ValueError, match=f"attention backend '{name}' needs a CUDA device"):
             get_backend(name, "cpu")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
-def test_flash_attn_backend_says_how_to_get_the_package():
-    with pytest.raises(ImportError, match="attention backend 'flash_attn' needs the flash-attn package"):
-        get_backend("flash_attn", "cuda")
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_paged"])
+def test_flash_attn_backends_say_how_to_get_the_package(name):
+    with pytest.raises(ImportError, match="attention backends 'flash_attn' and 'flash_attn_paged' need the flash-attn package"):
+        get_backend(name, "cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["prefill", "chunked", "decode"])
 @pytest.mark.parametrize(("layout", "backend"), [("mega", "fa2"), ("per_layer", "fa2"), ("paged", "paged"),
-                                                 ("mega", "flash_attn"), ("per_layer", "flash_attn")])
+                                                 ("mega", "flash_attn"), ("per_layer", "flash_attn"),
+                                                 ("paged", "flash_attn_paged")])
 def test_fast_backends_agree_with_reference_on_gpu(layout, backend, case):
     if cuda_missing():
         pytest.skip(cuda_missing())
-    if backend == "flash_attn":
+    if backend.startswith("flash_attn"):
         pytest.importorskip("flash_attn")
-    cache, seqs, q = setup("paged" if layout == "paged" else "virtual", layout, "cuda", cases(1024)[case])
+    cache_kind = "paged" if layout == "paged" else "virtual"
+    block = 256 if backend == "flash_attn_paged" else 16
+    cache, seqs, q = setup(cache_kind, layout, "cuda", cases(1024)[case], block)
     fast = run(cache, backend, seqs, q, "cuda")
     ref = run(cache, "torch", seqs, q, "cuda")
     assert relerr(fast, ref) < 1e-2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmem import KVCacheSpec, VirtualKVCache
+from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
 from tests.conftest import cuda_missing, make_vmm
 from worker.attention import get_backend
 from worker.loader import build_model
@@ -20,24 +20,31 @@ def chunk(seq: int, slot: int, tokens: list[int], start: int) -> ScheduledChunk:
     return ScheduledChunk(seq, slot, tuple(tokens), start, 1, TOP, 0, 0)
 
 
-@pytest.mark.parametrize("backend", ["fa2", "flash_attn"])
+def make_cache(backend: str, c):
+    if backend == "flash_attn_paged":  # blocks of 256 tokens: a sequence past 256 spans two, not adjacent
+        spec = paged_spec(c.num_layers, c.num_kv_heads, c.head_dim, 256, dtype=torch.bfloat16, max_slots=8, max_tokens=512)
+        return PagedKVCache(spec, 16 * spec.page_size * spec.bytes_per_token, "cuda")
+    spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16, 8, 512, "mega", 2 << 20)
+    return VirtualKVCache(spec, 16 * spec.num_buffers * spec.page_size, make_vmm("cuda"))
+
+
+@pytest.mark.parametrize("backend", ["fa2", "flash_attn", "flash_attn_paged"])
 @pytest.mark.parametrize("batch", [3, 5])
 def test_graph_replay_matches_eager_logits(batch, backend):
     if cuda_missing():
         pytest.skip(cuda_missing())
-    if backend == "flash_attn":
+    if backend.startswith("flash_attn"):
         pytest.importorskip("flash_attn")
     model = build_model("tiny", torch.bfloat16, "cuda")
-    c = model.config
-    spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16, 8, 512, "mega", 2 << 20)
-    with VirtualKVCache(spec, 16 * spec.num_buffers * spec.page_size, make_vmm("cuda")) as cache:
+    with make_cache(backend, model.config) as cache:
         impl = get_backend(backend, "cuda")
         eager = ModelRunner(model, cache, impl, "cuda")
         scratch = cache.alloc_slot()
         cache.ensure(scratch, 1)
         graphs = ModelRunner(model, cache, impl, "cuda", graph_batch=6, scratch_slot=scratch)
         gen = torch.Generator().manual_seed(batch)
-        slots, lengths = [cache.alloc_slot() for _ in range(batch)], [7 + 31 * i for i in range(batch)]
+        # lengths up to 255 + 7: the paged case's longest sequences cross into a second block during decode
+        slots, lengths = [cache.alloc_slot() for _ in range(batch)], [7 + 62 * i for i in range(batch)]
         last = {}
         for seq, (slot, n) in enumerate(zip(slots, lengths)):
             cache.ensure(slot, n + 2)

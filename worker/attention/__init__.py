@@ -6,7 +6,7 @@ with that layer's new q/k/v: the new K/V are written into the cache in place, th
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -14,22 +14,26 @@ from worker.attention.metadata import AttentionMetadata, SeqAttention
 
 
 class AttentionBackend(Protocol):
-    gathers: bool  # needs every KV row listed (AttentionMetadata.kv_rows)
+    # How the kernel finds a sequence's K/V: "rows" (every row listed: AttentionMetadata.kv_rows, then
+    # gathered), "slots" (a virtual cache's slot read in place), "blocks" (a paged cache's block tables).
+    reads: Literal["rows", "slots", "blocks"]
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``q`` ``[tokens, H, D]`` against the cache rows of this step's sequences -> ``[tokens, H, D]``."""
 
 
 IN_PLACE = ("fa2", "flash_attn")  # CUDA kernels that read a virtual cache's slots where they are
-BACKENDS = ("torch", "paged", *IN_PLACE)
+PAGED_KERNELS = ("flash_attn_paged",)  # CUDA kernels that read a paged cache's blocks through block tables
+BACKENDS = ("torch", "paged", *IN_PLACE, *PAGED_KERNELS)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """``torch`` (reference, any device), ``paged`` (block tables: the reference gather on CPU, gather +
     FA2 on CUDA), ``fa2`` (FlashAttention-2 in torch over a virtual cache, CUDA), ``flash_attn`` (the
-    flash-attn package's ``flash_attn_with_kvcache`` over a virtual cache, CUDA, when it is installed)."""
+    flash-attn package's ``flash_attn_with_kvcache`` over a virtual cache, CUDA, when it is installed),
+    ``flash_attn_paged`` (the same package's block-table path over a paged cache of 256-token blocks)."""
     from worker.attention.fa2 import FA2Attention, PagedGatherFA2
-    from worker.attention.flash_attn_kvcache import FlashAttnKVCache
+    from worker.attention.flash_attn_kvcache import FlashAttnKVCache, FlashAttnPaged
     from worker.attention.reference import ReferenceAttention
 
     cuda = torch.device(device).type == "cuda"
@@ -38,10 +42,11 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
         "paged": PagedGatherFA2 if cuda else ReferenceAttention,
         "fa2": FA2Attention,
         "flash_attn": FlashAttnKVCache,
+        "flash_attn_paged": FlashAttnPaged,
     }
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
-    if name in IN_PLACE and not cuda:
+    if name in (*IN_PLACE, *PAGED_KERNELS) and not cuda:
         raise ValueError(f"attention backend {name!r} needs a CUDA device")
     return backends[name]()
 
@@ -61,4 +66,4 @@ class AttentionStep:
         return self.backend.forward(q, k_rows, v_rows, self.meta)
 
 
-__all__ = ["BACKENDS", "IN_PLACE", "AttentionBackend", "AttentionMetadata", "AttentionStep", "SeqAttention", "get_backend"]
+__all__ = ["BACKENDS", "IN_PLACE", "PAGED_KERNELS", "AttentionBackend", "AttentionMetadata", "AttentionStep", "SeqAttention", "get_backend"]

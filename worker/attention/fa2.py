@@ -12,7 +12,7 @@ class FA2Attention:
     its length: the kernel reads the virtual cache in place (causal varlen for prefill, chunks that attend
     to a cached prefix, and decode)."""
 
-    gathers = False
+    reads = "slots"
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.ops.aten._flash_attention_forward(
@@ -26,7 +26,7 @@ class PagedGatherFA2:
     """The paged baseline on CUDA: gather each sequence's blocks into one contiguous K/V, then FA2 varlen
     (no block-table argument in torch's FA2; GPU.md measures this at ~3x the in-place read)."""
 
-    gathers = True
+    reads = "rows"
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k, v = k_rows[meta.kv_rows], v_rows[meta.kv_rows]

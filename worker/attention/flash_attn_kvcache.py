@@ -1,10 +1,18 @@
-"""The flash-attn package's ``flash_attn_with_kvcache`` over the virtual cache, addressed by slot.
+"""The flash-attn package's kernels over the two caches: the virtual one addressed by slot, and the paged
+baseline through block tables -- the vAttention paper's FA2_vAttention against FA2_Paged.
 
-The cache's ``[slot, token, H, D]`` view is the kernel's ``k_cache``; ``cache_batch_idx`` picks each
-sequence's slot and ``cache_seqlens`` its length, so nothing is copied or gathered -- the call the
-vAttention paper makes. New K/V are already in the cache (``AttentionStep`` wrote them), so the kernel's
-own append (``k=``/``v=``) is not used. Every call passes ``cache_batch_idx``, which also pins flash-attn to
-its split-KV kernels (the only ones ``tools/build_flash_attn.py`` compiles by default).
+Virtual (``FlashAttnKVCache``): the cache's ``[slot, token, H, D]`` view is ``flash_attn_with_kvcache``'s
+``k_cache``; ``cache_batch_idx`` picks each sequence's slot and ``cache_seqlens`` its length, so nothing is
+copied or gathered. Prefill chunks, contiguous in virtual memory, take the plain varlen FlashAttention-2
+kernel (torch's, over the cache in place) that a paged cache cannot use.
+
+Paged (``FlashAttnPaged``): the same decode call with ``block_table`` instead of ``cache_batch_idx``, and
+prefill chunks in one ``flash_attn_varlen_func`` call with ``block_table`` -- how vLLM ran FlashAttention-2
+over its paged cache. flash-attn's paged path needs blocks of a multiple of 256 tokens.
+
+New K/V are already in the cache (``AttentionStep`` wrote them), so the kernels' own append (``k=``/``v=``)
+is not used. Both decode calls pin flash-attn to its split-KV kernels (the only ones
+``tools/build_flash_attn.py`` compiles by default).
 """
 
 from __future__ import annotations
@@ -15,43 +23,83 @@ from worker.attention.metadata import AttentionMetadata
 
 
 def import_flash_attn():
-    """``flash_attn.flash_attn_with_kvcache``, or an ImportError that says how to get it."""
+    """The ``flash_attn`` module, or an ImportError that says how to get it."""
     try:
-        from flash_attn import flash_attn_with_kvcache
+        import flash_attn
     except ImportError as exc:
         raise ImportError(
-            f"attention backend 'flash_attn' needs the flash-attn package ({exc}); `pip install flash-attn` "
-            "builds it against the installed torch, or tools/build_flash_attn.py builds just its KV-cache kernels"
+            f"attention backends 'flash_attn' and 'flash_attn_paged' need the flash-attn package ({exc}); "
+            "`pip install flash-attn` builds it against the installed torch, or tools/build_flash_attn.py builds "
+            "just its KV-cache kernels"
         ) from exc
-    return flash_attn_with_kvcache
+    return flash_attn
 
 
 class FlashAttnKVCache:
-    """Decode sequences (one query each) in one batched call; each prefill chunk in a call of its own,
-    causal from the bottom right so that a chunk attends to its cached prefix."""
+    """Decode sequences (one query each) in one batched ``flash_attn_with_kvcache`` call; the prefill chunks
+    of the step in one varlen call, causal from the bottom right so that a chunk attends to its cached prefix."""
 
-    gathers = False
+    reads = "slots"
 
     def __init__(self):
-        self._kvcache = import_flash_attn()
+        self._kvcache = import_flash_attn().flash_attn_with_kvcache
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache = k_rows.unflatten(0, (-1, meta.slot_tokens))
         v_cache = v_rows.unflatten(0, (-1, meta.slot_tokens))
         if meta.max_query_len == 1:  # all decode (and every CUDA-graph step, whose meta lists no seqs)
             return self._decode(q, k_cache, v_cache, meta.seqused_k, meta.slots)
-        rows, seqs, prefills = meta.decode_split
+        split = meta.split
         out = torch.empty_like(q)
-        if len(rows):
-            out[rows] = self._decode(q[rows], k_cache, v_cache, meta.seqused_k[seqs], meta.slots[seqs])
-        for i, start, stop in prefills:
-            out[start:stop] = self._kvcache(
-                q[None, start:stop], k_cache, v_cache,
-                cache_seqlens=meta.seqused_k[i : i + 1], cache_batch_idx=meta.slots[i : i + 1], causal=True,
-            )[0]
+        if len(split.decode_rows):
+            seqs = split.decode_seqs
+            out[split.decode_rows] = self._decode(q[split.decode_rows], k_cache, v_cache, meta.seqused_k[seqs], meta.slots[seqs])
+        seqs = split.prefill_seqs
+        starts = meta.seq_starts[seqs]
+        # aten's FA2 wants B + 1 offsets; with seqused_k only the first B are read.
+        out[split.prefill_rows] = torch.ops.aten._flash_attention_forward(
+            q[split.prefill_rows], k_rows, v_rows, split.prefill_cu_seqlens_q, torch.cat([starts, starts[-1:]]),
+            split.prefill_max_query_len, split.prefill_max_kv_len, 0.0, True, False, seqused_k=meta.seqused_k[seqs],
+        )[0]
         return out
 
     def _decode(self, q, k_cache, v_cache, lengths, slots) -> torch.Tensor:
         # One query sees its whole prefix, so no mask; the kernel folds each KV head's query heads into the
         # query length (one K/V read per KV head).
         return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=slots)[:, 0]
+
+
+class FlashAttnPaged:
+    """Decode sequences in one ``flash_attn_with_kvcache(block_table=...)`` call; the prefill chunks in one
+    ``flash_attn_varlen_func(block_table=...)`` call."""
+
+    reads = "blocks"
+
+    def __init__(self):
+        fa = import_flash_attn()
+        self._kvcache, self._varlen = fa.flash_attn_with_kvcache, fa.flash_attn_varlen_func
+
+    def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.slot_tokens % 256:
+            raise ValueError(f"attention backend 'flash_attn_paged' needs blocks of a multiple of 256 tokens, got {meta.slot_tokens}")
+        k_cache = k_rows.unflatten(0, (-1, meta.slot_tokens))  # [block, token, H, D]
+        v_cache = v_rows.unflatten(0, (-1, meta.slot_tokens))
+        tables = meta.block_tables
+        if meta.max_query_len == 1:
+            return self._decode(q, k_cache, v_cache, meta.seqused_k, tables)
+        split = meta.split
+        out = torch.empty_like(q)
+        if len(split.decode_rows):
+            seqs = split.decode_seqs
+            out[split.decode_rows] = self._decode(q[split.decode_rows], k_cache, v_cache, meta.seqused_k[seqs], tables[seqs])
+        seqs = split.prefill_seqs
+        lengths = meta.seqused_k[seqs]
+        cu_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        out[split.prefill_rows] = self._varlen(
+            q[split.prefill_rows], k_cache, v_cache, split.prefill_cu_seqlens_q, cu_k, split.prefill_max_query_len,
+            split.prefill_max_kv_len, causal=True, block_table=tables[seqs],
+        )
+        return out
+
+    def _decode(self, q, k_cache, v_cache, lengths, tables) -> torch.Tensor:
+        return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=lengths, block_table=tables)[:, 0]

@@ -29,14 +29,19 @@ class AttentionMetadata:
     seq_starts: torch.Tensor  # [B + 1] int32: first row of each sequence's slot (contiguous backends)
     seqused_k: torch.Tensor  # [B] int32
     slots: torch.Tensor  # [B] int32: each sequence's cache slot (``cache_batch_idx`` of flash_attn)
-    slot_tokens: int  # rows per slot: ``rows(layer).unflatten(0, (-1, slot_tokens))`` is [slot, token, H, D]
+    # Rows per slot, or per block of a paged cache: ``rows(layer).unflatten(0, (-1, slot_tokens))`` is
+    # [slot, token, H, D] (or [block, token, H, D]).
+    slot_tokens: int
     max_query_len: int
     max_kv_len: int
+    block_tables: torch.Tensor | None = None  # [B, blocks] int32: each sequence's blocks (paged kernels only)
 
     @classmethod
-    def build(cls, seqs: list[SeqAttention], cache, device: torch.device, gather: bool) -> "AttentionMetadata":
-        """From the step's sequences and the cache that holds them. ``gather``: also list every KV row of
-        every sequence (backends that gather; contiguous ones read ``seq_starts`` + ``seqused_k``)."""
+    def build(cls, seqs: list[SeqAttention], cache, device: torch.device, reads: str) -> "AttentionMetadata":
+        """From the step's sequences and the cache that holds them, for a backend that ``reads`` "rows" (every
+        KV row of every sequence listed, to gather), "slots" (``seq_starts`` + ``seqused_k``) or "blocks"
+        (a paged cache's block tables)."""
+        gather = reads == "rows"
         if gather:
             kv_rows = [cache.token_rows(s.slot, 0, s.kv_len) for s in seqs]
             write_rows = [rows[s.kv_len - s.query_len :] for rows, s in zip(kv_rows, seqs)]
@@ -55,23 +60,52 @@ class AttentionMetadata:
             seq_starts=torch.tensor(starts + [starts[-1] + max(s.kv_len for s in seqs)]).to(**as_int),
             seqused_k=k_lens[1:].to(**as_int),
             slots=torch.tensor([s.slot for s in seqs]).to(**as_int),
-            slot_tokens=cache.spec.slot_tokens,
+            slot_tokens=cache.block_size if reads == "blocks" else cache.spec.slot_tokens,
             max_query_len=max(s.query_len for s in seqs),
             max_kv_len=max(s.kv_len for s in seqs),
+            block_tables=cache.block_tables([s.slot for s in seqs]) if reads == "blocks" else None,
         )
 
     @cached_property
-    def decode_split(self) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int, int], ...]]:
-        """For backends that batch one-query sequences apart from prefill chunks: the decode sequences'
-        query rows and indices (device tensors), and each prefill chunk's (index, first row, end row).
-        Worked out on first use and kept: every layer of the step shares this metadata."""
-        rows, seqs, prefills, row = [], [], [], 0
-        for i, seq in enumerate(self.seqs):
+    def split(self) -> "DecodePrefillSplit":
+        """For backends that batch one-query sequences apart from the longer chunks (worked out on first use
+        and kept: every layer of the step shares this metadata)."""
+        return DecodePrefillSplit.of(self)
+
+
+@dataclass(frozen=True)
+class DecodePrefillSplit:
+    """A mixed step as two batches: the decode sequences (one query each) and the prefill chunks, each with
+    its own per-sequence tensors (device) taken from the step's metadata."""
+
+    decode_rows: torch.Tensor  # [decodes] long: their query rows
+    decode_seqs: torch.Tensor  # [decodes] long: their indices in the step
+    prefill_rows: slice | torch.Tensor  # the chunks' query rows: a slice where they are one run (no copy)
+    prefill_seqs: torch.Tensor  # [chunks] long
+    prefill_cu_seqlens_q: torch.Tensor  # [chunks + 1] int32
+    prefill_max_query_len: int
+    prefill_max_kv_len: int
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> "DecodePrefillSplit":
+        rows, seqs, prefill_rows, prefill_seqs, q_lens, row = [], [], [], [], [0], 0
+        for i, seq in enumerate(meta.seqs):
             if seq.query_len == 1:
                 rows.append(row)
                 seqs.append(i)
             else:
-                prefills.append((i, row, row + seq.query_len))
+                prefill_rows.extend(range(row, row + seq.query_len))
+                prefill_seqs.append(i)
+                q_lens.append(seq.query_len)
             row += seq.query_len
-        as_long = dict(dtype=torch.long, device=self.seqused_k.device)
-        return torch.tensor(rows, **as_long), torch.tensor(seqs, **as_long), tuple(prefills)
+        device = meta.seqused_k.device
+        as_long = dict(dtype=torch.long, device=device)
+        chunks = [meta.seqs[i] for i in prefill_seqs]
+        one_run = bool(prefill_rows) and prefill_rows[-1] - prefill_rows[0] + 1 == len(prefill_rows)
+        return cls(
+            torch.tensor(rows, **as_long), torch.tensor(seqs, **as_long),
+            slice(prefill_rows[0], prefill_rows[-1] + 1) if one_run else torch.tensor(prefill_rows, **as_long),
+            torch.tensor(prefill_seqs, **as_long),
+            torch.tensor(q_lens).cumsum(0).to(dtype=torch.int32, device=device),
+            max((s.query_len for s in chunks), default=0), max((s.kv_len for s in chunks), default=0),
+        )

@@ -10,7 +10,7 @@ from worker.attention.metadata import AttentionMetadata
 
 
 class ReferenceAttention:
-    gathers = True
+    reads = "rows"
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
