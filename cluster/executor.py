@@ -5,7 +5,6 @@ Steps run in the order submitted, so a second may be submitted before the first'
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,7 +12,7 @@ from cluster.config import EnginePlan
 from worker.messages import StepInput, WorkerReport
 from worker.model import Transformer
 from worker.sampling import SampledToken
-from worker.worker import Worker
+from worker.worker import PendingOutput, Worker
 
 
 @dataclass(frozen=True)
@@ -43,8 +42,9 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """The one worker in this process: TP = PP = 1. With async scheduling it steps on its own thread,
-    so that the caller schedules the next step meanwhile; else ``submit`` runs the step there and then."""
+    """The one worker in this process: TP = PP = 1. ``submit`` queues the step's kernels and returns; its
+    result is read when asked for. With async scheduling the engine submits step k+1 before it reads step k,
+    so the device runs step k+1 right after step k while this thread takes step k's tokens and schedules."""
 
     def __init__(self, plan: EnginePlan, model: Transformer | None = None):
         """``plan.is_sized`` is False where the pool is a fraction of the free memory: ``self.plan`` is sized
@@ -59,35 +59,31 @@ class LocalExecutor:
             raise
         self.plan = plan
         self._config, self._model = plan.workers[0], model
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vattn-worker") if plan.async_scheduling else None
 
-    def submit(self, step: StepInput) -> Future:
-        if self._thread is not None:
-            return self._thread.submit(self._run, step)
-        done = Future()
-        try:
-            done.set_result(self._run(step))
-        except Exception as exc:
-            done.set_exception(exc)
-        return done
+    def submit(self, step: StepInput) -> "LocalPending":
+        return LocalPending(self.worker, self.worker.launch(step))
 
     def execute(self, step: StepInput) -> StepResult:
         return self.submit(step).result()
 
-    def _run(self, step: StepInput) -> StepResult:
-        out = self.worker.execute(step)
-        return StepResult(out.sampled, (self.worker.report(),), out.logprobs)
-
-    def _drain(self) -> None:
-        if self._thread is not None:
-            self._thread.submit(int).result()  # one thread, in order: every step before it has ended
-
     def rebuild(self) -> None:
-        self._drain()
         self.worker.close()
         self.worker = Worker(self._config, self._model)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
         self.worker.close()
+
+
+@dataclass
+class LocalPending:
+    """A step the local worker launched; ``result`` waits for it (once)."""
+
+    worker: Worker
+    pending: PendingOutput
+    _result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            out = self.worker.finish(self.pending)
+            self._result = StepResult(out.sampled, (self.worker.report(),), out.logprobs)
+        return self._result

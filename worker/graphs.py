@@ -38,8 +38,9 @@ class DecodeGraphs:
     def fits(self, chunks) -> bool:
         return len(chunks) <= self.buckets[-1] and all(len(c.token_ids) == 1 for c in chunks)
 
-    def logits(self, chunks) -> torch.Tensor:
-        """``[len(chunks), vocab]`` float32 logits of a decode step."""
+    def logits(self, chunks, fill=None) -> torch.Tensor:
+        """``[len(chunks), vocab]`` float32 logits of a decode step; ``fill``: a ``TokenFill`` of tokens still
+        on the device."""
         b = len(chunks)
         size = next(s for s in self.buckets if s >= b)
         pad = size - b
@@ -48,11 +49,14 @@ class DecodeGraphs:
             [c.start for c in chunks] + [0] * pad,
             [c.slot for c in chunks] + [self.scratch] * pad,
         ])
-        self.inputs[:, :size].copy_(host, non_blocking=True)
+        # From pinned memory: a copy from pageable memory would wait for the step before this one to end.
+        self.inputs[:, :size].copy_(host.pin_memory(), non_blocking=True)
+        if fill is not None:
+            fill.apply(self.inputs[0], list(fill.chunks))
         if self.paged:
             # Columns past a row's blocks keep stale ids, which the kernel never reads (it stops at the length).
             tables = self.cache.block_tables([c.slot for c in chunks] + [self.scratch] * pad, "cpu")
-            self.tables[:size, : tables.shape[1]].copy_(tables, non_blocking=True)
+            self.tables[:size, : tables.shape[1]].copy_(tables.pin_memory(), non_blocking=True)
         if size not in self.graphs:
             self._capture(size)
         self.graphs[size].replay()

@@ -9,7 +9,7 @@ import torch
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep, SeqAttention
 from worker.model import Transformer
 from worker.rope import rope_cache, rope_for
-from worker.sampling import SampledToken, SamplingParams, sample
+from worker.sampling import SampledToken, SamplingParams, draw, with_logprobs
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,30 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class TokenFill:
+    """Chunks whose last token is still on the device: chunk ``chunks[i]`` ends with ``source[rows[i]]``, a
+    token an earlier step drew that nobody has read yet (async scheduling; see ``Worker.launch``)."""
+
+    chunks: tuple[int, ...]
+    source: torch.Tensor
+    rows: tuple[int, ...]
+
+    def apply(self, tokens: torch.Tensor, at: list[int]) -> None:
+        """Write them into ``tokens`` at ``at`` (one index per chunk of ``chunks``)."""
+        tokens[to_device(at, tokens.device)] = self.source[to_device(list(self.rows), tokens.device)]
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as a long tensor on ``device``, without waiting for the work queued there (a plain copy of
+    pageable memory to a GPU synchronizes its stream: the next step could not be queued behind this one)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+@dataclass(frozen=True)
 class StepPlan:
     chunks: tuple[ScheduledChunk, ...]
+    fill: TokenFill | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +62,45 @@ class StepOutput:
     # seq_id -> the drawn tokens with their logprobs, for the sequences that asked. Apart from ``sampled``
     # because plain ints cross a process boundary ~10x cheaper than objects (a decode step of 128).
     logprobs: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose kernels are queued: ``tokens`` ``[len(wanted)]`` are each sampling chunk's first drawn
+    token, on the device; ``result`` reads them (the one wait for the device)."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    wanted: tuple[int, ...] = ()  # chunks that sample, in row order
+    logits: torch.Tensor | None = None  # [len(wanted), vocab] float32, kept only where logprobs are asked for
+    tokens: torch.Tensor | None = None
+    more: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # row -> the n > 1 draws after the first
+    done: StepOutput | None = None  # a step that samples nothing: its output as it is
+    # ``tokens`` on their way to host memory, and the event after that copy (CUDA): reading the tokens waits
+    # for this step only, not for the steps queued behind it.
+    host_tokens: torch.Tensor | None = None
+    copied: "torch.cuda.Event | None" = None
+
+    @property
+    def rows(self) -> dict[int, int]:
+        """seq_id -> its row of ``tokens``."""
+        return {self.chunks[i].seq_id: row for row, i in enumerate(self.wanted)}
+
+    def result(self) -> StepOutput:
+        if self.done is not None:
+            return self.done
+        if self.copied is not None:
+            self.copied.synchronize()
+        first = self.host_tokens.tolist()
+        sampled, logprobs = {}, {}
+        for row, i in enumerate(self.wanted):
+            c = self.chunks[i]
+            ids = (first[row], *(int(t) for t in self.more.get(row, ())))
+            if c.params.greedy:
+                ids = ids * c.num_samples  # n greedy samples are one token n times
+            sampled[c.seq_id] = ids
+            if c.params.logprobs is not None:
+                logprobs[c.seq_id] = tuple(with_logprobs(self.logits[row], t, c.params) for t in ids)
+        return StepOutput(sampled, logprobs=logprobs)
 
 
 class ModelRunner:
@@ -75,9 +136,13 @@ class ModelRunner:
 
             self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepOutput:
         """Run ``plan``; ``inputs`` are the previous pipeline stage's hidden states (none on the first)."""
+        return self.launch(plan, inputs).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue ``plan``'s kernels and its sampling; nothing here waits for the device."""
         chunks = plan.chunks
         for c in chunks:
             held = self.cache.num_tokens(c.slot)
@@ -86,23 +151,27 @@ class ModelRunner:
         if (inputs is None) != self.model.is_first:
             raise ValueError("the first pipeline stage takes token ids, every later one the previous stage's output")
         if not self.model.is_last:
-            return StepOutput({}, self._eager_hidden(chunks, inputs))
-        wanted = [i for i, c in enumerate(chunks) if c.num_samples] if self.samples else []
+            return LaunchedStep(chunks, done=StepOutput({}, self._eager_hidden(chunks, inputs, plan.fill)))
+        wanted = tuple(i for i, c in enumerate(chunks) if c.num_samples) if self.samples else ()
         if not wanted:  # the layers still run: they write K/V (and join the TP all-reduces)
-            self._eager_hidden(chunks, inputs)
-            return StepOutput({})
+            self._eager_hidden(chunks, inputs, plan.fill)
+            return LaunchedStep(chunks, done=StepOutput({}))
         if self._graphs is not None and self._graphs.fits(chunks):
-            logits = self._graphs.logits(chunks)[wanted]
+            logits = self._graphs.logits(chunks, plan.fill)
+            logits = logits if len(wanted) == len(chunks) else logits[list(wanted)]
         else:
-            hidden = self._eager_hidden(chunks, inputs)
+            hidden = self._eager_hidden(chunks, inputs, plan.fill)
             ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-            logits = self.model.logits(hidden[ends[wanted].to(self.device)])
+            logits = self.model.logits(hidden[ends[list(wanted)].to(self.device)])
         return self._sample(chunks, wanted, logits)
 
-    def _eager_hidden(self, chunks: tuple[ScheduledChunk, ...], inputs: torch.Tensor | None) -> torch.Tensor:
+    def _eager_hidden(self, chunks: tuple[ScheduledChunk, ...], inputs: torch.Tensor | None, fill: TokenFill | None) -> torch.Tensor:
         positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
         if inputs is None:
             inputs = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+            if fill is not None:
+                ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+                fill.apply(inputs, ends[list(fill.chunks)].tolist())
         else:
             inputs = inputs.to(self.device)
         seqs = [SeqAttention(c.slot, len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
@@ -110,18 +179,26 @@ class ModelRunner:
         rope = rope_for(self._rope, positions, self._dtype)
         return self.model(inputs, rope, AttentionStep(self.cache, self.backend, meta))
 
-    def _sample(self, chunks: tuple[ScheduledChunk, ...], wanted: list[int], logits: torch.Tensor) -> StepOutput:
-        # Greedy rows without logprobs take one batched argmax: one device sync for the whole step.
-        argmax = logits.argmax(-1).tolist()
-        sampled, logprobs = {}, {}
+    def _sample(self, chunks: tuple[ScheduledChunk, ...], wanted: tuple[int, ...], logits: torch.Tensor) -> LaunchedStep:
+        # Greedy rows take one batched argmax; the others draw on the device, row by row, so that nothing
+        # waits for the device before the step's result is read.
+        tokens = logits.argmax(-1)
+        more = {}
         for row, i in enumerate(wanted):
             c = chunks[i]
-            if c.params.greedy and c.params.logprobs is None:
-                sampled[c.seq_id] = (argmax[row],) * c.num_samples
+            if c.params.greedy:
                 continue
-            drawn = tuple(sample(logits[row], c.params, c.sample_index + k, c.output_index, c.seed)
-                          for k in range(c.num_samples))
-            sampled[c.seq_id] = tuple(t.token_id for t in drawn)
-            if c.params.logprobs is not None:
-                logprobs[c.seq_id] = drawn
-        return StepOutput(sampled, logprobs=logprobs)
+            drawn = [draw(logits[row], c.params, c.sample_index + k, c.output_index, c.seed) for k in range(c.num_samples)]
+            tokens[row] = drawn[0]
+            if len(drawn) > 1:
+                more[row] = tuple(drawn[1:])
+        # Logprobs are worked out when the result is read, after later steps' graphs replayed into the buffer
+        # these logits may live in: only then are they kept, in a copy.
+        kept = logits.clone() if any(chunks[i].params.logprobs is not None for i in wanted) else None
+        if tokens.device.type != "cuda":
+            return LaunchedStep(chunks, wanted, kept, tokens, more, host_tokens=tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(chunks, wanted, kept, tokens, more, host_tokens=host, copied=copied)

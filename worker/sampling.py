@@ -68,28 +68,37 @@ def _generator(seed: int, sample_index: int, output_index: int, device: torch.de
     return torch.Generator(device=device).manual_seed(mixed)
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingParams, sample_index: int, output_index: int, seed: int
-) -> SampledToken:
-    """One token from ``logits`` ``[vocab]`` (float32) under ``params``."""
+def draw(logits: torch.Tensor, params: SamplingParams, sample_index: int, output_index: int, seed: int) -> torch.Tensor:
+    """One token id from ``logits`` ``[vocab]`` (float32) under ``params``, as a 0-dim tensor on their device:
+    nothing waits for the device, so the next step can be launched with it before anyone reads it."""
     if params.greedy:
-        token = int(torch.argmax(logits))
-    else:
-        scaled = logits / params.temperature
-        if params.top_k:
-            kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_logits, order = torch.sort(scaled, descending=True)
-            sorted_probs = sorted_logits.softmax(-1)
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the token that crosses top_p
-            drop[0] = False  # and the likeliest always: rounding must not leave nothing to draw from
-            scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = scaled.softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=_generator(seed, sample_index, output_index, logits.device)))
+        return torch.argmax(logits)
+    scaled = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the token that crosses top_p
+        drop[0] = False  # and the likeliest always: rounding must not leave nothing to draw from
+        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = scaled.softmax(-1)
+    return torch.multinomial(probs, 1, generator=_generator(seed, sample_index, output_index, logits.device))[0]
+
+
+def with_logprobs(logits: torch.Tensor, token: int, params: SamplingParams) -> SampledToken:
+    """``token`` drawn from ``logits`` ``[vocab]``, with the logprobs ``params`` asks for."""
     if params.logprobs is None:
         return SampledToken(token)
     logp = logits.log_softmax(-1)
     top = torch.topk(logp, params.logprobs) if params.logprobs else None
     alternatives = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
     return SampledToken(token, float(logp[token]), alternatives)
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, sample_index: int, output_index: int, seed: int
+) -> SampledToken:
+    """One token from ``logits`` ``[vocab]`` (float32) under ``params``."""
+    return with_logprobs(logits, int(draw(logits, params, sample_index, output_index, seed)), params)

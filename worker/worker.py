@@ -13,14 +13,24 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvmem import AsyncMapper, KVCacheSpec, MappingPlan, PagedKVCache, VirtualKVCache, default_vmm
-from kvmem.ops import apply_ops
+from kvmem.ops import AllocSlot, Ensure, apply_ops
 from kvmem.swap import SwapSpace
 from worker.attention import get_backend
 from worker.loader import build_model
 from worker.messages import PLACEHOLDER, NewSeq, StepInput, WorkerReport
 from worker.model import Transformer
 from worker.parallel import TPGroup
-from worker.runner import ModelRunner, ScheduledChunk, StepOutput, StepPlan
+from worker.runner import LaunchedStep, ModelRunner, ScheduledChunk, StepOutput, StepPlan, TokenFill
+
+
+@dataclass(frozen=True)
+class PendingOutput:
+    """A step ``Worker.launch`` queued; ``Worker.finish`` reads its result."""
+
+    step: int
+    launched: LaunchedStep | None  # None: a step without a batch (KV operations only)
+    ahead: MappingPlan | None
+    queued: "torch.cuda.Event | None"  # recorded after its kernels (CUDA only)
 
 
 class PeerFailed(RuntimeError):
@@ -67,6 +77,7 @@ class Worker:
         self._last: dict[int, int] = {}  # seq_id -> the token last sampled for it (fills placeholders)
         self._reported_maps = 0
         self._busy = 0.0
+        self._in_flight: PendingOutput | None = None  # launched, its result not read yet
 
     def kv_memory_available(self, fraction: float, sharers: int) -> int:
         """Bytes of KV memory this worker could take: ``fraction`` of what its device has free now that its
@@ -102,22 +113,54 @@ class Worker:
 
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None) -> StepOutput:
         """Apply the step's KV operations, map ahead while the step runs, run it."""
+        return self.finish(self.launch(step, inputs))
+
+    def launch(self, step: StepInput, inputs: torch.Tensor | None = None) -> PendingOutput:
+        """Apply the step's KV operations and queue its kernels, without waiting for the device: a caller
+        that launches step k+1 before it calls ``finish`` on step k keeps the device busy meanwhile. Chunks
+        that end in a placeholder take the token step k drew on the device."""
         start = time.perf_counter()
         try:
-            return self._execute(step, inputs)
+            return self._launch(step, inputs)
         finally:
             self._busy += time.perf_counter() - start
 
-    def _execute(self, step: StepInput, inputs: torch.Tensor | None) -> StepOutput:
+    def finish(self, pending: PendingOutput) -> StepOutput:
+        """Wait for a launched step and read what it sampled; steps finish in the order they were launched."""
+        start = time.perf_counter()
+        try:
+            if pending.launched is None:
+                return StepOutput({})
+            try:
+                out = pending.launched.result()
+                if self.config.fills_placeholders:
+                    self._last.update((seq_id, drawn[0]) for seq_id, drawn in out.sampled.items())
+                return out
+            finally:
+                if self._in_flight is pending:
+                    self._in_flight = None
+                # The scheduler sent only a plan that fits this pool: an error here means the ledger and this
+                # cache disagree, which the caller must treat as fatal for the worker group.
+                self.mapper.wait(pending.ahead)
+        finally:
+            self._busy += time.perf_counter() - start
+
+    def _launch(self, step: StepInput, inputs: torch.Tensor | None) -> PendingOutput:
+        prev = self._in_flight
         error = None
         try:
+            if prev is not None:
+                self.mapper.wait(prev.ahead)  # its ensures must not race the operations below
+                if prev.queued is not None and any(not isinstance(op, (Ensure, AllocSlot)) for op in step.kv_ops):
+                    # A freed slot (or swapped, shared) may be unmapped or handed on: only once no queued kernel reads it.
+                    prev.queued.synchronize()
             for seq in step.new_seqs:
                 self._seqs[seq.seq_id] = seq
             for seq_id in step.finished_seqs:
                 self._seqs.pop(seq_id, None)
                 self._last.pop(seq_id, None)
             apply_ops(self.cache, step.kv_ops, self.swap)
-            plan = StepPlan(self._chunks(step))
+            plan = self._plan(step, prev.launched if prev is not None else None)
         except Exception as exc:  # e.g. KVCacheExhausted: this cache and the ledger disagree
             error = exc
         # A rank that failed here would leave its TP peers waiting in the layers' all-reduces forever:
@@ -128,30 +171,41 @@ class Worker:
             raise error or PeerFailed(f"TP rank {failed} of stage {c.pp_rank} failed step {step.step} (its log has why); "
                                       f"rank {c.tp_rank} stops with it")
         if not step.seq_ids:
-            return StepOutput({})
+            return PendingOutput(step.step, None, None, None)
         ahead = self.mapper.submit(MappingPlan(step.ahead))
         try:
-            out = self.runner.execute(plan, inputs)
-            if self.config.fills_placeholders:
-                self._last.update((seq_id, drawn[0]) for seq_id, drawn in out.sampled.items())
-            return out
-        finally:
-            # The scheduler sent only a plan that fits this pool: an error here means the ledger and this
-            # cache disagree, which the caller must treat as fatal for the worker group.
+            launched = self.runner.launch(plan, inputs)
+        except BaseException:
             self.mapper.wait(ahead)
+            raise
+        queued = None
+        if self.device.type == "cuda":
+            queued = torch.cuda.Event()
+            queued.record()
+        pending = self._in_flight = PendingOutput(step.step, launched, ahead, queued)
+        return pending
 
-    def _chunks(self, step: StepInput) -> tuple[ScheduledChunk, ...]:
-        chunks = []
+    def _plan(self, step: StepInput, prev: LaunchedStep | None) -> StepPlan:
+        """The step's chunks; a placeholder becomes the token this worker drew for the sequence last: read
+        already, or still on the device in ``prev`` (launched, not finished)."""
+        on_device = prev.rows if prev is not None and prev.tokens is not None else {}
+        chunks, fill_chunks, fill_rows = [], [], []
         for i, seq_id in enumerate(step.seq_ids):
             seq = self._seqs[seq_id]
             tokens = step.token_ids[step.offsets[i] : step.offsets[i + 1]]
             if tokens[-1] == PLACEHOLDER:
-                if seq_id not in self._last:
+                if seq_id in on_device:
+                    fill_chunks.append(i)
+                    fill_rows.append(on_device[seq_id])
+                    tokens = tokens[:-1] + (0,)  # written over on the device
+                elif seq_id in self._last:
+                    tokens = tokens[:-1] + (self._last[seq_id],)
+                else:
                     raise ValueError(f"step {step.step}: seq {seq_id} ends in a placeholder, but no token was sampled for it")
-                tokens = tokens[:-1] + (self._last[seq_id],)
             chunks.append(ScheduledChunk(seq_id, step.slots[i], tokens, step.starts[i], step.num_samples[i],
                                          seq.params, seq.seed, step.output_index[i], seq.sample_index))
-        return tuple(chunks)
+        fill = TokenFill(tuple(fill_chunks), prev.tokens, tuple(fill_rows)) if fill_chunks else None
+        return StepPlan(tuple(chunks), fill)
 
     def report(self) -> WorkerReport:
         """This shard's pool counters (no walk over slots' pages)."""
@@ -166,6 +220,8 @@ class Worker:
         """Stop the mapper and give every byte of KV memory back."""
         if self.cache is None:
             return
+        if self._in_flight is not None and self._in_flight.queued is not None:
+            self._in_flight.queued.synchronize()  # its kernels read the pages about to be unmapped
         try:
             self.mapper.close()
         finally:
