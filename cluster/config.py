@@ -76,7 +76,7 @@ class EnginePlan:
     scheduler: SchedulerConfig
     ledger_spec: KVCacheSpec
     num_pages: int  # 0 until ``sized`` where the pools are a fraction of the workers' free memory
-    async_scheduling: bool = False  # schedule step k+1 while step k runs (see ``cluster.engine_core``)
+    async_scheduling: bool = False  # schedule and queue step k+1 while step k runs (see ``cluster.engine_core``)
 
     @property
     def is_sized(self) -> bool:
@@ -193,9 +193,9 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     max_model_len = min(config.max_model_len or model.max_context, model.max_context)
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
                                 max_model_len)
-    # In-process, the worker's thread and the scheduler share one GIL: measured slower on the H100
-    # (bench/results/throughput_async_h100.json), so there it is opt-in.
-    overlap = config.async_scheduling if config.async_scheduling is not None else pp == 1 and config.distributed == "ray"
+    # In-process too: step k+1 is queued on the device behind step k (W1 on the H100: 1.40-1.46x the floor against
+    # 1.47-1.59x one step at a time, bench/results/w1_launch_ahead*_h100.json).
+    overlap = config.async_scheduling if config.async_scheduling is not None else pp == 1
     if not isinstance(overlap, bool):
         raise ValueError(f"async_scheduling must be a bool or None, got {config.async_scheduling!r}")
     if overlap and pp > 1:

@@ -28,7 +28,7 @@ def test_bad_argument_is_a_clear_error(capsys):
 def test_missing_attention_package_is_a_clear_error_before_loading(capsys):
     # No CUDA is touched before the backend's import fails, so this runs on a CPU machine too.
     assert main(["generate", "--prompt", "x", "--attention", "flash_attn", "--device", "cuda"]) == 2
-    assert "attention backend 'flash_attn' needs the flash-attn package" in capsys.readouterr().err
+    assert "attention backends 'flash_attn' and 'flash_attn_paged' need the flash-attn package" in capsys.readouterr().err
 
 
 def test_generate_on_ray_with_tp_and_pp_prints_the_in_process_tokens(capsys):
