@@ -108,11 +108,13 @@ def hf_peer(config: ModelConfig, prompts, output: int):
     return numbers, state
 
 
-def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int) -> dict:
+def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_tokens: int, warmup_tokens: int = 512,
+               **options) -> dict:
     """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
     ``...@ray`` for the Ray engine (a scheduler actor over worker actors; ``model`` a preset name), with
     ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``/sync`` and ``/async``
-    turn async scheduling off or on (default: the engine's, on for Ray); ``#k`` names a repeat."""
+    turn async scheduling off or on (default: the engine's); ``#k`` names a repeat. The warm-up runs every
+    prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
     spec, _, where = name.replace("/sync", "").replace("/async", "").partition("@")
@@ -121,14 +123,15 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims}
     max_len = max(map(len, prompts)) + output
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
-    with LLM(model, kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
-             max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
-             distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
-             async_scheduling=overlap) as llm:
+    engine = dict(kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
+                  max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
+                  distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
+                  async_scheduling=overlap)
+    with LLM(model, **(engine | options)) as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
         # mapped (deferred reclamation), in both engines alike.
-        llm.generate([p[:512] for p in prompts], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        llm.generate([p[:warmup_tokens] for p in prompts], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         before = llm.snapshot()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -148,6 +151,7 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         "preemptions": after.num_preemptions - before.num_preemptions,
         "map_latency_p50_us": statistics.median(worker.map_latency_us) if worker.map_latency_us else 0.0,
         "stall_s": worker.stall_seconds - before.workers[0].stall_seconds,
+        "maps": worker.maps - before.workers[0].maps, "unmaps": worker.unmaps - before.workers[0].unmaps,
         "worker_busy_s": worker.busy_seconds - before.workers[0].busy_seconds,
         "engine_step_s": after.step_seconds - before.step_seconds,
     }

@@ -46,6 +46,8 @@ class EngineConfig:
     kv_memory: int = 1 << 30
     kv_memory_fraction: float | None = None
     page_size: int = 2 << 20
+    map_ahead: bool = True  # map the next step's pages while this one runs (False: in the step; for measurement)
+    deferred_reclamation: bool = True  # freed slots keep their pages mapped for the next request (virtual layouts)
     block_size: int | None = None  # tokens per block of the ``paged`` layout: 256 for flash-attn's kernel, else 16
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: int = 4 << 30
@@ -110,7 +112,8 @@ class EnginePlan:
 
     def new_ledger(self) -> PageLedger:
         """A fresh ledger (and the CUDA graphs' scratch slot in it, recorded for the workers)."""
-        ledger = PageLedger(self.ledger_spec, self.num_pages, keeps_pages_on_free=self.ledger_spec.layout != "paged")
+        keeps = self.ledger_spec.layout != "paged" and self.config.deferred_reclamation
+        ledger = PageLedger(self.ledger_spec, self.num_pages, keeps_pages_on_free=keeps)
         if self.cuda_graphs:
             scratch = ledger.alloc_slot(1)
             ledger.ensure(scratch, 1)
@@ -192,7 +195,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     # Checked before any worker starts (a bad value must not leave actors behind).
     max_model_len = min(config.max_model_len or model.max_context, model.max_context)
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
-                                max_model_len)
+                                max_model_len, config.map_ahead)
     # In-process too: step k+1 is queued on the device behind step k (W1 on the H100: 1.40-1.46x the floor against
     # 1.47-1.59x one step at a time, bench/results/w1_launch_ahead*_h100.json).
     overlap = config.async_scheduling if config.async_scheduling is not None else pp == 1
@@ -236,8 +239,9 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"kv_memory_fraction must be a number in (0, 1], got {fraction!r}")
     workers = tuple(
         WorkerConfig(config.model, dtype, device, specs[p], None, attention, ranges[p], p, t, tp,
-                     config.max_num_seqs if graphs else 0, 0 if graphs else None, config.preemption_mode == "swap",
-                     config.seed, config.progress, overlap)
+                     config.max_num_seqs if graphs else 0, 0 if graphs else None, swap=config.preemption_mode == "swap",
+                     deferred_reclamation=config.deferred_reclamation, seed=config.seed, progress=config.progress,
+                     fills_placeholders=overlap)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]

@@ -35,6 +35,7 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space_bytes: int = 4 << 30
     max_model_len: int | None = None  # None: as long as the ledger's slots
+    map_ahead: bool = True  # False: each step's pages are mapped in the step (the baseline the mapper hides)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -194,6 +195,8 @@ class Scheduler:
 
         (Mapping free slots eagerly for the next admissions was measured too -- H100, 128 requests: no gain
         in wall time, +30% mapped memory from over-mapping -- and left out.)"""
+        if not self.config.map_ahead:
+            return MappingPlan({})
         limit = self.kv.spec.max_tokens
         budget = self.config.max_num_batched_tokens
         needs = {}

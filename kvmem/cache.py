@@ -29,8 +29,6 @@ class VirtualKVCache(SlotCache):
     unmap per map -- see bench/README.md for the measured cost).
     """
 
-    keeps_pages_on_free = True
-
     def __init__(
         self,
         spec: KVCacheSpec,
@@ -38,12 +36,16 @@ class VirtualKVCache(SlotCache):
         vmm: VMM | None = None,
         *,
         zero_unmapped: bool = True,
+        deferred_reclamation: bool = True,
     ):
+        """``deferred_reclamation``: a freed slot keeps its pages mapped for the next request (the paper's
+        deferred reclamation); False unmaps them at once (for measuring what that saves)."""
         if spec.layout == "paged":
             raise ValueError("VirtualKVCache takes layout 'per_layer' or 'mega'; use PagedKVCache for 'paged'")
         if pool_bytes < 0:
             raise ValueError(f"pool_bytes must be >= 0, got {pool_bytes}")
         super().__init__(spec)
+        self.keeps_pages_on_free = deferred_reclamation
         self._owns_vmm = vmm is None
         self._vmm = vmm if vmm is not None else default_vmm()
         if spec.page_size % self._vmm.granularity:

@@ -54,6 +54,7 @@ class WorkerConfig:
     graph_batch: int = 0  # > 0: CUDA-graph decode steps up to this batch
     scratch_slot: int | None = None  # the graphs' padding slot (the scheduler holds it in its ledger)
     swap: bool = False
+    deferred_reclamation: bool = True  # a virtual cache's freed slots keep their pages (the ledger does the same)
     seed: int = 0
     progress: bool = False
     # Async scheduling: a step's input may end a sequence's chunk with ``PLACEHOLDER``, the token this worker
@@ -100,7 +101,8 @@ class Worker:
         if c.kv_spec.layout == "paged":
             self.cache = PagedKVCache(c.kv_spec, pool_bytes, self.device)
         else:
-            self.cache = VirtualKVCache(c.kv_spec, pool_bytes, default_vmm(self.device))
+            self.cache = VirtualKVCache(c.kv_spec, pool_bytes, default_vmm(self.device),
+                                        deferred_reclamation=c.deferred_reclamation)
         try:
             self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
                                       c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders)
@@ -159,7 +161,10 @@ class Worker:
             for seq_id in step.finished_seqs:
                 self._seqs.pop(seq_id, None)
                 self._last.pop(seq_id, None)
+            maps, started = self.cache.counters()[0], time.perf_counter()
             apply_ops(self.cache, step.kv_ops, self.swap)
+            if self.cache.counters()[0] != maps:  # pages the mapper did not map ahead: the step waited for them
+                self.cache.add_stall(time.perf_counter() - started)
             plan = self._plan(step, prev.launched if prev is not None else None)
         except Exception as exc:  # e.g. KVCacheExhausted: this cache and the ledger disagree
             error = exc

@@ -478,3 +478,22 @@ def test_an_engine_done_with_its_requests_holds_nothing(overlap):
         assert out.outputs[0].finish_reason == "stop"
         assert not llm.core.has_work and llm.cache.stats().slots_in_use == 0
         assert llm.core.ledger.accounting() == llm.cache.accounting()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mapping_in_the_step_and_eager_reclamation_give_the_same_tokens(overlap):
+    """The allocation-latency experiment's switches: pages mapped in the step instead of ahead on the mapper
+    thread, and freed slots unmapped at once instead of kept for the next request."""
+    kw = dict(kv_memory=16 << 20, max_num_seqs=4, max_model_len=128, page_size=4096, device="cpu",
+              max_num_batched_tokens=32, async_scheduling=overlap)
+    prompts = [list(range(5, 60)), "hello there", list(range(90, 100)), "the quick brown fox", "zz", "abc"]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    runs = {}
+    for ahead, deferred in [(True, True), (False, True), (True, False)]:
+        with LLM("tiny", map_ahead=ahead, deferred_reclamation=deferred, **kw) as llm:
+            runs[ahead, deferred] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            stats = llm.cache.stats()
+            assert llm.core.ledger.accounting() == llm.cache.accounting() and stats.slots_in_use == 0
+            # mapped: the pages free slots keep for their next request
+            assert (stats.unmaps > 0 and stats.mapped_bytes == 0) if not deferred else (stats.unmaps == 0 and stats.mapped_bytes > 0)
+    assert runs[False, True] == runs[True, True] == runs[True, False]
