@@ -14,7 +14,9 @@ Runs (each where its package imports):
     ``flash_attn_with_kvcache`` with ``block_table``; prefill: ``flash_attn_varlen_func`` with ``block_table``);
   * ``fa2 virtual``: torch's FA2 over the virtual cache (the engine's ``fa2`` backend);
   * ``flashinfer paged@16`` / ``@256``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` /
-    ``BatchPrefillWithPagedKVCacheWrapper`` over the same paged cache's blocks.
+    ``BatchPrefillWithPagedKVCacheWrapper`` over the same paged cache's blocks;
+  * ``flashinfer virtual``: the same wrappers over the virtual cache, one page per slot (``slot_tokens`` tokens):
+    FlashInfer's kernels unmodified, reading each sequence contiguously.
 Times are medians of CUDA-event timings (GPU time of the calls; host work is outside).
 
     python bench/paged_kernels.py [--batches 1 16 64 128 256] [--contexts 1024 4096 16384 32768 65536]
@@ -23,6 +25,7 @@ Times are medians of CUDA-event timings (GPU time of the calls; host work is out
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import statistics
 from dataclasses import dataclass
@@ -106,21 +109,25 @@ def backend_ms(backend: str, cache: Cache, seqs: list[SeqAttention], iters: int)
 
 
 def flashinfer_ms(cache: Cache, seqs: list[SeqAttention], iters: int) -> float:
-    """FlashInfer's paged wrappers over ``cache``'s blocks (decode when every query is one token)."""
+    """FlashInfer's paged wrappers over ``cache``'s blocks (decode when every query is one token). Over the virtual
+    cache, each slot is one page of ``slot_tokens`` tokens: the same kernels read it contiguously, unmodified."""
     import flashinfer
 
-    pc: PagedKVCache = cache.cache
-    bs = pc.block_size
-    tables = [pc.block_table(s.slot) for s in seqs]
+    pc = cache.cache
+    if isinstance(pc, PagedKVCache):
+        bs, kv = pc.block_size, (pc.k(LAYER), pc.v(LAYER))  # [blocks, block_size, H, D], strided over the layers (NHD)
+        tables = [pc.block_table(s.slot) for s in seqs]
+    else:
+        bs, kv = pc.spec.slot_tokens, (pc.k(LAYER), pc.v(LAYER))  # [slots, slot_tokens, H, D]
+        tables = [[s.slot] for s in seqs]
     as_int = dict(dtype=torch.int32, device="cuda")
     kv_indptr = torch.tensor([0] + [len(t) for t in tables], **as_int).cumsum(0, dtype=torch.int32)
     kv_indices = torch.tensor([b for t in tables for b in t], **as_int)
     last = torch.tensor([s.kv_len - (len(t) - 1) * bs for s, t in zip(seqs, tables)], **as_int)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     q = torch.randn(sum(s.query_len for s in seqs), HQ, D, device="cuda", dtype=torch.bfloat16)
-    kv = (pc.k(LAYER), pc.v(LAYER))  # [blocks, block_size, H, D], strided over the layers (NHD)
     if all(s.query_len == 1 for s in seqs):
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         wrapper.plan(kv_indptr, kv_indices, last, HQ, HKV, D, bs, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
     else:
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
@@ -130,6 +137,15 @@ def flashinfer_ms(cache: Cache, seqs: list[SeqAttention], iters: int) -> float:
     return time_ms(lambda: wrapper.run(q, kv), iters)
 
 
+def importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+        return True
+    except Exception as exc:  # a package that is there but does not load is left out, saying why
+        print(f"{name} does not import ({exc!r}): its runs are left out")
+        return False
+
+
 def runs() -> dict[str, tuple[int | None, str]]:
     """Run name -> (paged block size or None for the virtual cache, backend or "flashinfer")."""
     out = {}
@@ -137,7 +153,8 @@ def runs() -> dict[str, tuple[int | None, str]]:
         out["flash_attn virtual"] = (None, "flash_attn")
         out["flash_attn paged@256"] = (256, "flash_attn_paged")
     out["fa2 virtual"] = (None, "fa2")
-    if importlib.util.find_spec("flashinfer"):
+    if importable("flashinfer"):
+        out["flashinfer virtual"] = (None, "flashinfer")
         out["flashinfer paged@16"] = (16, "flashinfer")
         out["flashinfer paged@256"] = (256, "flashinfer")
     return out
