@@ -20,6 +20,7 @@ Runs (each where its package imports):
 Times are medians of CUDA-event timings (GPU time of the calls; host work is outside).
 
     python bench/paged_kernels.py [--batches 1 16 64 128 256] [--contexts 1024 4096 16384 32768 65536]
+    python bench/paged_kernels.py --name paged_kernels_h100 --replot    # the figure again, from the JSON
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,6 @@ import torch  # noqa: E402
 
 import report  # noqa: E402
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec  # noqa: E402
-from kvmem.vmm.cuda import CudaVMM  # noqa: E402
 from worker.attention import AttentionMetadata, SeqAttention, get_backend  # noqa: E402
 from worker.config import PRESETS  # noqa: E402
 
@@ -72,7 +73,7 @@ class Cache:
     slots: list[int]
 
     @classmethod
-    def make(cls, paged_block: int | None, lens: list[int], vmm: CudaVMM) -> "Cache":
+    def make(cls, paged_block: int | None, lens: list[int], vmm) -> "Cache":
         longest = max(lens)
         if paged_block:
             spec = paged_spec(LAYERS, HKV, D, paged_block, dtype=torch.bfloat16, max_slots=len(lens), max_tokens=longest)
@@ -160,7 +161,7 @@ def runs() -> dict[str, tuple[int | None, str]]:
     return out
 
 
-def measure(run: tuple[int | None, str], lens: list[int], seq_parts, iters: int, vmm: CudaVMM) -> float:
+def measure(run: tuple[int | None, str], lens: list[int], seq_parts, iters: int, vmm) -> float:
     """``seq_parts(slots)`` -> list of SeqAttention lists, one per timed call (summed)."""
     block, backend = run
     cache = Cache.make(block, lens, vmm)
@@ -182,7 +183,14 @@ def main() -> None:
     parser.add_argument("--unchunked-max", type=int, default=65536, help="longest unchunked prefill measured")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--name", default="paged_kernels")
+    parser.add_argument("--replot", action="store_true", help="only draw results/NAME.png again from results/NAME.json")
     args = parser.parse_args()
+    if args.replot:
+        data = json.loads((Path(report.RESULTS) / f"{args.name}.json").read_text())
+        plot(data, data["runs"][0], Path(report.RESULTS) / f"{args.name}.png")
+        return
+    from kvmem.vmm.cuda import CudaVMM  # needs cuda-bindings: a replot does not
+
     vmm = CudaVMM(0)
     chosen = runs()
     base = next(iter(chosen))
@@ -220,7 +228,7 @@ def main() -> None:
 def plot(data: dict, base: str, path: Path) -> None:
     """The paper's style: each run's speed relative to the virtual flash-attn run, per point."""
     panels = [(k, v) for k, v in data.items() if k in ("decode", "prefill_chunked", "prefill_unchunked") and v]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.3), squeeze=False)
     for ax, (kind, points) in zip(axes[0], panels):
         labels = list(points)
         names = list(next(iter(points.values())))
@@ -231,8 +239,9 @@ def plot(data: dict, base: str, path: Path) -> None:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=45, ha="right", fontsize=7)
         ax.set(title=f"{kind} (Llama-3-8B heads, one layer)", ylabel=f"speed relative to {base}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
 
 

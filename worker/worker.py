@@ -163,7 +163,10 @@ class Worker:
                 self._last.pop(seq_id, None)
             maps, started = self.cache.counters()[0], time.perf_counter()
             apply_ops(self.cache, step.kv_ops, self.swap)
-            if self.cache.counters()[0] != maps:  # pages the mapper did not map ahead: the step waited for them
+            # Pages the mapper did not map ahead: the step waited for them -- unless the step before was still
+            # running on the device all along (launched ahead), which hid the wait.
+            hidden = prev is not None and prev.queued is not None and not prev.queued.query()
+            if self.cache.counters()[0] != maps and not hidden:
                 self.cache.add_stall(time.perf_counter() - started)
             plan = self._plan(step, prev.launched if prev is not None else None)
         except Exception as exc:  # e.g. KVCacheExhausted: this cache and the ledger disagree
