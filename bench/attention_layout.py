@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
-import statistics
 from pathlib import Path
 
 import torch
 
 import report
+from timing import time_ms
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
 from kvmem.vmm.cuda import CudaVMM
 from worker.config import PRESETS
@@ -28,20 +28,6 @@ _LLAMA3 = PRESETS["llama-3-8b"]
 LAYERS, HQ, HKV, D = _LLAMA3.num_layers, _LLAMA3.num_heads, _LLAMA3.num_kv_heads, _LLAMA3.head_dim
 MiB = 1 << 20
 fa2 = torch.ops.aten._flash_attention_forward
-
-
-def time_ms(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    out = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return statistics.median(out)
 
 
 def virtual_case(layout: str, page: int, lens: list[int], max_tokens: int, vmm: CudaVMM, kernel: str = "fa2") -> float:

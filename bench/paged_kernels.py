@@ -29,7 +29,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import report  # noqa: E402
+from timing import time_ms  # noqa: E402
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec  # noqa: E402
 from worker.attention import AttentionMetadata, SeqAttention, get_backend  # noqa: E402
 from worker.config import PRESETS  # noqa: E402
@@ -48,21 +48,6 @@ _LLAMA3 = PRESETS["llama-3-8b"]
 HQ, HKV, D = _LLAMA3.num_heads, _LLAMA3.num_kv_heads, _LLAMA3.head_dim
 LAYERS, LAYER = 4, 1
 MAX_TOKENS = 2 << 20  # decode points past this many cached tokens in all are skipped (32 GiB of 4 layers)
-
-
-def time_ms(fn, iters: int) -> float:
-    """Median GPU milliseconds of ``fn`` over ``iters`` calls, after warm-up calls."""
-    for _ in range(min(3, iters)):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 @dataclass
@@ -106,7 +91,7 @@ def backend_ms(backend: str, cache: Cache, seqs: list[SeqAttention], iters: int)
     meta = AttentionMetadata.build(seqs, cache.cache, torch.device("cuda"), impl.reads)
     q = torch.randn(sum(s.query_len for s in seqs), HQ, D, device="cuda", dtype=torch.bfloat16)
     k, v = cache.cache.rows(LAYER)
-    return time_ms(lambda: impl.forward(q, k, v, meta), iters)
+    return time_ms(lambda: impl.forward(q, k, v, meta), iters, min(3, iters))
 
 
 def flashinfer_ms(cache: Cache, seqs: list[SeqAttention], iters: int) -> float:
@@ -135,7 +120,7 @@ def flashinfer_ms(cache: Cache, seqs: list[SeqAttention], iters: int) -> float:
         qo_indptr = torch.tensor([0] + [s.query_len for s in seqs], **as_int).cumsum(0, dtype=torch.int32)
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, last, HQ, HKV, D, bs, causal=True,
                      q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    return time_ms(lambda: wrapper.run(q, kv), iters)
+    return time_ms(lambda: wrapper.run(q, kv), iters, min(3, iters))
 
 
 def importable(name: str) -> bool:
