@@ -21,7 +21,7 @@ from kvmem.stats import PageMap, SlotAccounting
 from worker.messages import StepInput, WorkerOutput
 from worker.sampling import SamplingParams
 from worker.tokenizer import load_tokenizer
-from worker.worker import Worker, WorkerConfig
+from worker.worker import PendingOutput, Worker, WorkerConfig
 
 
 @ray.remote
@@ -32,6 +32,7 @@ class WorkerActor:
         self.config = config
         self.worker: Worker | None = None
         self._distributed = False
+        self._ahead: PendingOutput | None = None  # launched by the last call, finished by the next
 
     def address(self) -> str:
         """A TCP rendezvous on this actor's node for torch.distributed (rank 0 only)."""
@@ -62,13 +63,31 @@ class WorkerActor:
 
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None):
         """The step; a stage before the last returns its hidden states for the next one (on its GPU when
-        one next-stage reader takes them over NCCL, else in host memory)."""
+        one next-stage reader takes them over NCCL, else in host memory). With async scheduling (one stage)
+        the worker launches ahead: see ``execute_ahead``."""
+        if self.config.fills_placeholders:  # async scheduling, which has one pipeline stage
+            return self.execute_ahead(step)
         out = self.worker.execute(step, inputs)
         if self.worker.model.is_last:
             return WorkerOutput(out.sampled, self.worker.report(), out.logprobs)
         if out.hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
             return torch.empty(0, self.worker.model.config.hidden_size, device=self._hidden_device)
         return out.hidden.to(self._hidden_device)
+
+    def execute_ahead(self, step: StepInput) -> tuple[WorkerOutput, ...]:
+        """Queue ``step`` on the device, then finish the step the call before queued: the device runs this one
+        while the scheduler takes that one's tokens. The reply carries the results finished now, in order: the
+        step before's, and this one's too when it had no batch (nothing was queued)."""
+        pending = self.worker.launch(step)
+        done, self._ahead = ([self._ahead] if self._ahead is not None else []), pending
+        if pending.launched is None:
+            done.append(pending)
+            self._ahead = None
+        outputs = []
+        for p in done:
+            out = self.worker.finish(p)
+            outputs.append(WorkerOutput(out.sampled, self.worker.report(), out.logprobs, p.step))
+        return tuple(outputs)
 
     def report(self, _hidden: torch.Tensor) -> WorkerOutput:
         return WorkerOutput({}, self.worker.report())
@@ -80,6 +99,7 @@ class WorkerActor:
         return self.worker.cache.page_map()
 
     def close(self) -> None:
+        self._ahead = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None

@@ -4,7 +4,9 @@ states go on to the next stage's ranks (NCCL on GPUs), and only reports and samp
 
 from __future__ import annotations
 
+import itertools
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import ray
@@ -50,6 +52,17 @@ class RayPendingStep:
 
 
 @dataclass(frozen=True)
+class AheadPendingStep:
+    """A step sent to workers that launch ahead: its result comes back with a later call (``RayExecutor.take``)."""
+
+    executor: "RayExecutor"
+    step: int
+
+    def result(self) -> StepResult:
+        return self.executor.take(self.step)
+
+
+@dataclass(frozen=True)
 class Placement:
     """A placement group someone else owns (a Serve replica's): worker i takes bundle ``first_bundle + i``."""
 
@@ -66,6 +79,12 @@ class RayExecutor:
         self._pg = None
         self._actors: list = []
         self._dag = None
+        # With async scheduling the workers launch ahead (``WorkerActor.execute_ahead``): each call's reply
+        # carries the results of the steps finished during it, which are those of earlier calls.
+        self._ahead = plan.async_scheduling
+        self._calls: deque[tuple[int, list]] = deque()  # (step, refs) sent, replies not read yet
+        self._results: dict[int, StepResult] = {}
+        self._drains = itertools.count(-1, -1)  # drain calls' step numbers: the engine's are >= 0
         self._start()
 
     # -- set-up --------------------------------------------------------------------------------
@@ -148,12 +167,38 @@ class RayExecutor:
         return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
 
     # -- steps ---------------------------------------------------------------------------------
-    def submit(self, step: StepInput) -> "RayPendingStep":
+    def submit(self, step: StepInput) -> "RayPendingStep | AheadPendingStep":
         try:
             refs = self._dag.execute(step)
         except Exception as exc:
             raise WorkerGroupError(f"step {step.step} could not be sent: {_describe(exc)}") from exc
-        return RayPendingStep(step.step, refs, self.step_timeout_s, len(self.plan.workers) - self.plan.config.tensor_parallel_size)
+        if not self._ahead:
+            return RayPendingStep(step.step, refs, self.step_timeout_s, self._sampler)
+        self._calls.append((step.step, refs))
+        return AheadPendingStep(self, step.step)
+
+    @property
+    def _sampler(self) -> int:
+        """Which output is the last stage's TP rank 0's."""
+        return len(self.plan.workers) - self.plan.config.tensor_parallel_size
+
+    def take(self, step: int) -> StepResult:
+        """``step``'s result, from workers that launch ahead: read the replies in order until one carries it;
+        when none sent yet will, send a call without a batch (a drain), which makes the workers finish it."""
+        while step not in self._results:
+            if not self._calls:
+                drain = next(self._drains)
+                self.submit(StepInput(drain))
+            sent, refs = self._calls.popleft()
+            try:
+                outs = ray.get(refs, timeout=self.step_timeout_s)
+            except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
+                raise WorkerGroupError(f"step {sent} failed: {_describe(exc)}") from exc
+            for i, out in enumerate(outs[self._sampler]):  # every worker finished the same steps in this call
+                self._results[out.step] = StepResult(out.sampled, tuple(o[i].report for o in outs), out.logprobs)
+        for drained in [s for s in self._results if s < 0]:
+            del self._results[drained]
+        return self._results.pop(step)
 
     def execute(self, step: StepInput) -> StepResult:
         return self.submit(step).result()
@@ -174,6 +219,8 @@ class RayExecutor:
     def close(self) -> None:
         """Tear the graph down, close every worker (caches unmapped, groups destroyed), kill the actors,
         remove the placement group. Safe on a half-built or broken group."""
+        self._calls.clear()  # their replies die with the workers
+        self._results.clear()
         if self._dag is not None:
             try:
                 self._dag.teardown()

@@ -72,3 +72,4 @@ class WorkerOutput:
     sampled: dict[int, tuple[int, ...]]
     report: WorkerReport
     logprobs: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)
+    step: int = -1  # the StepInput this is the result of (a worker that launches ahead answers one call late)
