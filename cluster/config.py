@@ -218,7 +218,12 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if attention in (*IN_PLACE, *PAGED_KERNELS) and model.head_dim % 8:
         # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.
         raise ValueError(f"attention {attention!r} needs head_dim a multiple of 8, got {model.head_dim}")
+    for name in ("map_ahead", "deferred_reclamation"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
     block_size = config.block_size if config.block_size is not None else 256 if attention in PAGED_KERNELS else 16
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1 (tokens a block of the paged layout), got {block_size!r}")
     if attention in PAGED_KERNELS and block_size % 256:
         raise ValueError(f"attention {attention!r} reads blocks of a multiple of 256 tokens, got block_size={block_size}")
     in_place = (*IN_PLACE, *PAGED_KERNELS)  # kernels whose reads fit a CUDA graph's fixed buffers

@@ -46,10 +46,12 @@ class LLM:
 
     ``model`` is a preset name, a Hugging Face model directory, or (in-process only) an already built
     ``Transformer`` (token-id prompts; byte-level text). ``kv_memory`` is each worker's physical KV pool in
-    bytes. ``attention`` defaults to ``fa2`` for a virtual cache on CUDA, ``paged`` for the paged layout and
-    ``torch`` otherwise; ``flash_attn`` (the flash-attn package, where installed) on a virtual cache on CUDA
-    is the other choice. ``cuda_graphs`` (default: with ``fa2`` or ``flash_attn`` and one worker) replays
-    decode steps as CUDA graphs.
+    bytes. ``attention`` defaults on CUDA to the flash-attn package's kernels where it is installed
+    (``flash_attn`` over a virtual cache, ``flash_attn_paged`` over the paged layout's 256-token blocks), else
+    torch's FA2 (``fa2``; ``paged``: gather + FA2 over 16-token blocks), and to ``torch`` on CPU.
+    ``cuda_graphs`` (default: with a backend that reads the cache in place and one worker) replays decode steps
+    as CUDA graphs. With ``async_scheduling`` (default with one pipeline stage) step k+1 is scheduled and
+    queued on the device while step k runs.
 
     ``distributed="ray"`` with ``tensor_parallel_size`` / ``pipeline_parallel_size``: one worker actor per
     (stage, rank) in one placement group (``placement_strategy``), driven by a scheduler actor. It joins

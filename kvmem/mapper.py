@@ -90,17 +90,22 @@ class AsyncMapper:
         self._queue.put(plan)
         return plan
 
-    def wait(self, plan: MappingPlan) -> None:
-        """Return once every page of ``plan`` is mapped; raises the plan's first error."""
+    def wait(self, plan: MappingPlan, record: bool = True) -> float:
+        """Return once every page of ``plan`` is mapped; raises the plan's first error. Returns the seconds
+        waited, which count as stall unless ``record`` is False (a caller that knows the wait was hidden)."""
+        waited = 0.0
         if not plan.done:
             start = time.perf_counter()
             while (index := plan._claim()) is not None:
                 plan._run(self._cache, index)
             plan._done.wait()
-            self._cache.add_stall(time.perf_counter() - start)
+            waited = time.perf_counter() - start
+            if record:
+                self._cache.add_stall(waited)
         self._unobserved.discard(plan)
         if plan._errors:
             raise plan._errors[0]
+        return waited
 
     def close(self) -> None:
         """Stop the thread after the plans already queued; raise an error no ``wait`` has seen."""

@@ -42,6 +42,17 @@ class TokenFill:
         tokens[to_device(at, tokens.device)] = self.source[to_device(list(self.rows), tokens.device)]
 
 
+def _ends(chunks) -> torch.Tensor:
+    """Each chunk's last row in the step's flattened tokens."""
+    return torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor ``t`` on its way to pinned host memory (read it after an event recorded later)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints as a long tensor on ``device``, without waiting for the work queued there (a plain copy of
     pageable memory to a GPU synchronizes its stream: the next step could not be queued behind this one)."""
@@ -73,11 +84,12 @@ class LaunchedStep:
     wanted: tuple[int, ...] = ()  # chunks that sample, in row order
     logits: torch.Tensor | None = None  # [len(wanted), vocab] float32, kept only where logprobs are asked for
     tokens: torch.Tensor | None = None
-    more: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # row -> the n > 1 draws after the first
+    more: tuple[tuple[int, int], ...] = ()  # (row, draws): rows of n > 1 draws, their later draws in ``host_more``
     done: StepOutput | None = None  # a step that samples nothing: its output as it is
     # ``tokens`` on their way to host memory, and the event after that copy (CUDA): reading the tokens waits
     # for this step only, not for the steps queued behind it.
     host_tokens: torch.Tensor | None = None
+    host_more: torch.Tensor | None = None
     copied: "torch.cuda.Event | None" = None
 
     @property
@@ -91,10 +103,14 @@ class LaunchedStep:
         if self.copied is not None:
             self.copied.synchronize()
         first = self.host_tokens.tolist()
+        later, at = (self.host_more.tolist() if self.host_more is not None else []), 0
+        more = {}
+        for row, n in self.more:
+            more[row], at = later[at : at + n], at + n
         sampled, logprobs = {}, {}
         for row, i in enumerate(self.wanted):
             c = self.chunks[i]
-            ids = (first[row], *(int(t) for t in self.more.get(row, ())))
+            ids = (first[row], *more.get(row, ()))
             if c.params.greedy:
                 ids = ids * c.num_samples  # n greedy samples are one token n times
             sampled[c.seq_id] = ids
@@ -161,8 +177,7 @@ class ModelRunner:
             logits = logits if len(wanted) == len(chunks) else logits[list(wanted)]
         else:
             hidden = self._eager_hidden(chunks, inputs, plan.fill)
-            ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-            logits = self.model.logits(hidden[ends[list(wanted)].to(self.device)])
+            logits = self.model.logits(hidden[_ends(chunks)[list(wanted)].to(self.device)])
         return self._sample(chunks, wanted, logits)
 
     def _eager_hidden(self, chunks: tuple[ScheduledChunk, ...], inputs: torch.Tensor | None, fill: TokenFill | None) -> torch.Tensor:
@@ -170,8 +185,7 @@ class ModelRunner:
         if inputs is None:
             inputs = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
             if fill is not None:
-                ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-                fill.apply(inputs, ends[list(fill.chunks)].tolist())
+                fill.apply(inputs, _ends(chunks)[list(fill.chunks)].tolist())
         else:
             inputs = inputs.to(self.device)
         seqs = [SeqAttention(c.slot, len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
@@ -183,7 +197,7 @@ class ModelRunner:
         # Greedy rows take one batched argmax; the others draw on the device, row by row, so that nothing
         # waits for the device before the step's result is read.
         tokens = logits.argmax(-1)
-        more = {}
+        more, later = [], []
         for row, i in enumerate(wanted):
             c = chunks[i]
             if c.params.greedy:
@@ -191,14 +205,15 @@ class ModelRunner:
             drawn = [draw(logits[row], c.params, c.sample_index + k, c.output_index, c.seed) for k in range(c.num_samples)]
             tokens[row] = drawn[0]
             if len(drawn) > 1:
-                more[row] = tuple(drawn[1:])
+                more.append((row, len(drawn) - 1))
+                later += drawn[1:]
+        later = torch.stack(later) if later else None
         # Logprobs are worked out when the result is read, after later steps' graphs replayed into the buffer
         # these logits may live in: only then are they kept, in a copy.
         kept = logits.clone() if any(chunks[i].params.logprobs is not None for i in wanted) else None
         if tokens.device.type != "cuda":
-            return LaunchedStep(chunks, wanted, kept, tokens, more, host_tokens=tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return LaunchedStep(chunks, wanted, kept, tokens, tuple(more), host_tokens=tokens, host_more=later)
+        host, host_later = _to_pinned(tokens), _to_pinned(later) if later is not None else None
         copied = torch.cuda.Event()
         copied.record()
-        return LaunchedStep(chunks, wanted, kept, tokens, more, host_tokens=host, copied=copied)
+        return LaunchedStep(chunks, wanted, kept, tokens, tuple(more), host_tokens=host, host_more=host_later, copied=copied)

@@ -84,7 +84,10 @@ def draw(logits: torch.Tensor, params: SamplingParams, sample_index: int, output
         drop[0] = False  # and the likeliest always: rounding must not leave nothing to draw from
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(-1)
-    return torch.multinomial(probs, 1, generator=_generator(seed, sample_index, output_index, logits.device))[0]
+    # torch.multinomial's own draw for one sample (the same token for the same generator), without its input
+    # checks, which read values back from the device and so wait for everything queued before them.
+    q = torch.empty_like(probs).exponential_(1, generator=_generator(seed, sample_index, output_index, logits.device))
+    return (probs / q).argmax()
 
 
 def with_logprobs(logits: torch.Tensor, token: int, params: SamplingParams) -> SampledToken:
@@ -95,10 +98,3 @@ def with_logprobs(logits: torch.Tensor, token: int, params: SamplingParams) -> S
     top = torch.topk(logp, params.logprobs) if params.logprobs else None
     alternatives = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
     return SampledToken(token, float(logp[token]), alternatives)
-
-
-def sample(
-    logits: torch.Tensor, params: SamplingParams, sample_index: int, output_index: int, seed: int
-) -> SampledToken:
-    """One token from ``logits`` ``[vocab]`` (float32) under ``params``."""
-    return with_logprobs(logits, int(draw(logits, params, sample_index, output_index, seed)), params)

@@ -134,9 +134,12 @@ class Worker:
             if pending.launched is None:
                 return StepOutput({})
             try:
+                if pending.launched.done is not None and pending.queued is not None:
+                    # Nothing to read back, so nothing waited for its kernels: once finished, its slots may be freed.
+                    pending.queued.synchronize()
                 out = pending.launched.result()
-                if self.config.fills_placeholders:
-                    self._last.update((seq_id, drawn[0]) for seq_id, drawn in out.sampled.items())
+                if self.config.fills_placeholders:  # not for sequences that ended meanwhile (their state is gone)
+                    self._last.update((s, drawn[0]) for s, drawn in out.sampled.items() if s in self._seqs)
                 return out
             finally:
                 if self._in_flight is pending:
@@ -152,7 +155,11 @@ class Worker:
         error = None
         try:
             if prev is not None:
-                self.mapper.wait(prev.ahead)  # its ensures must not race the operations below
+                # Its ensures must not race the operations below. A wait while the step before still runs on
+                # the device is hidden: not a stall.
+                waited = self.mapper.wait(prev.ahead, record=False)
+                if prev.queued is None or prev.queued.query():
+                    self.cache.add_stall(waited)
                 if prev.queued is not None and any(not isinstance(op, (Ensure, AllocSlot)) for op in step.kv_ops):
                     # A freed slot (or swapped, shared) may be unmapped or handed on: only once no queued kernel reads it.
                     prev.queued.synchronize()
@@ -228,10 +235,12 @@ class Worker:
         """Stop the mapper and give every byte of KV memory back."""
         if self.cache is None:
             return
-        if self._in_flight is not None and self._in_flight.queued is not None:
-            self._in_flight.queued.synchronize()  # its kernels read the pages about to be unmapped
         try:
-            self.mapper.close()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # kernels still queued (a step in flight, or one that failed) read the pages
         finally:
-            self.cache.close()
-            self.cache = None
+            try:
+                self.mapper.close()
+            finally:
+                self.cache.close()
+                self.cache = None

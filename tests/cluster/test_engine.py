@@ -3,6 +3,7 @@ streaming, and bad input that leaves the engine serving."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -497,3 +498,28 @@ def test_mapping_in_the_step_and_eager_reclamation_give_the_same_tokens(overlap)
             # mapped: the pages free slots keep for their next request
             assert (stats.unmaps > 0 and stats.mapped_bytes == 0) if not deferred else (stats.unmaps == 0 and stats.mapped_bytes > 0)
     assert runs[False, True] == runs[True, True] == runs[True, False]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(block_size=0), "block_size must be an int >= 1 (tokens a block of the paged layout), got 0"),
+    (dict(block_size="256"), "block_size must be an int >= 1 (tokens a block of the paged layout), got '256'"),
+    (dict(map_ahead="no"), "map_ahead must be a bool, got 'no'"),
+    (dict(deferred_reclamation=None), "deferred_reclamation must be a bool, got None"),
+])
+def test_bad_paging_options_are_refused_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM("tiny", kv_layout="paged", device="cpu", **kwargs)
+
+
+def test_a_worker_forgets_sequences_that_ended_while_their_next_step_was_in_flight():
+    """(Found in review.) A stop token is seen a step late: the worker had drawn the sequence's next token
+    already, and must not keep it after the sequence is gone."""
+    kw = dict(kv_memory=16 << 20, max_num_seqs=6, max_model_len=128, page_size=4096, device="cpu", async_scheduling=True)
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with LLM("tiny", **kw) as llm:
+        stops = [llm.generate(p, greedy)[0].outputs[0].token_ids[3] for p in ("abc", "hello", "zz")]
+        outs = llm.generate(["abc", "hello", "zz"], [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                                    stop_token_ids=[s]) for s in stops])
+        assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * 3
+        worker = llm.core.executor.worker
+        assert worker._seqs == {} and worker._last == {}
