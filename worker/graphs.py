@@ -13,6 +13,7 @@ import torch
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep
 from worker.model import Transformer
 from worker.rope import rope_for
+from worker.staging import to_device
 
 
 class DecodeGraphs:
@@ -49,14 +50,13 @@ class DecodeGraphs:
             [c.start for c in chunks] + [0] * pad,
             [c.slot for c in chunks] + [self.scratch] * pad,
         ])
-        # From pinned memory: a copy from pageable memory would wait for the step before this one to end.
-        self.inputs[:, :size].copy_(host.pin_memory(), non_blocking=True)
+        self.inputs[:, :size].copy_(to_device(host, self.device))
         if fill is not None:
             fill.apply(self.inputs[0], list(fill.chunks))
         if self.paged:
             # Columns past a row's blocks keep stale ids, which the kernel never reads (it stops at the length).
             tables = self.cache.block_tables([c.slot for c in chunks] + [self.scratch] * pad, "cpu")
-            self.tables[:size, : tables.shape[1]].copy_(tables.pin_memory(), non_blocking=True)
+            self.tables[:size, : tables.shape[1]].copy_(to_device(tables, self.device))
         if size not in self.graphs:
             self._capture(size)
         self.graphs[size].replay()

@@ -10,6 +10,7 @@ from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep,
 from worker.model import Transformer
 from worker.rope import rope_cache, rope_for
 from worker.sampling import SampledToken, SamplingParams, draw, with_logprobs
+from worker.staging import to_device
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class TokenFill:
 
     def apply(self, tokens: torch.Tensor, at: list[int]) -> None:
         """Write them into ``tokens`` at ``at`` (one index per chunk of ``chunks``)."""
-        tokens[to_device(at, tokens.device)] = self.source[to_device(list(self.rows), tokens.device)]
+        index = to_device(torch.tensor([at, list(self.rows)]), tokens.device)
+        tokens[index[0]] = self.source[index[1]]
 
 
 def _ends(chunks) -> torch.Tensor:
@@ -51,13 +53,6 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     """A copy of device tensor ``t`` on its way to pinned host memory (read it after an event recorded later)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints as a long tensor on ``device``, without waiting for the work queued there (a plain copy of
-    pageable memory to a GPU synchronizes its stream: the next step could not be queued behind this one)."""
-    host = torch.tensor(values, dtype=torch.long)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 @dataclass(frozen=True)
@@ -174,16 +169,16 @@ class ModelRunner:
             return LaunchedStep(chunks, done=StepOutput({}))
         if self._graphs is not None and self._graphs.fits(chunks):
             logits = self._graphs.logits(chunks, plan.fill)
-            logits = logits if len(wanted) == len(chunks) else logits[list(wanted)]
+            logits = logits if len(wanted) == len(chunks) else logits[to_device(torch.tensor(wanted), self.device)]
         else:
             hidden = self._eager_hidden(chunks, inputs, plan.fill)
-            logits = self.model.logits(hidden[_ends(chunks)[list(wanted)].to(self.device)])
+            logits = self.model.logits(hidden[to_device(_ends(chunks)[list(wanted)], self.device)])
         return self._sample(chunks, wanted, logits)
 
     def _eager_hidden(self, chunks: tuple[ScheduledChunk, ...], inputs: torch.Tensor | None, fill: TokenFill | None) -> torch.Tensor:
-        positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
+        positions = to_device(torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]), self.device)
         if inputs is None:
-            inputs = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+            inputs = to_device(torch.tensor([t for c in chunks for t in c.token_ids]), self.device)
             if fill is not None:
                 fill.apply(inputs, _ends(chunks)[list(fill.chunks)].tolist())
         else:

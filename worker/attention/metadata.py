@@ -7,6 +7,8 @@ from functools import cached_property
 
 import torch
 
+from worker.staging import to_device
+
 
 @dataclass(frozen=True)
 class SeqAttention:
@@ -47,23 +49,26 @@ class AttentionMetadata:
             write_rows = [rows[s.kv_len - s.query_len :] for rows, s in zip(kv_rows, seqs)]
         else:
             write_rows = [cache.token_rows(s.slot, s.kv_len - s.query_len, s.kv_len) for s in seqs]
-        q_lens = torch.tensor([0] + [s.query_len for s in seqs])
-        k_lens = torch.tensor([0] + [s.kv_len for s in seqs])
+        q_lens = torch.tensor([0] + [s.query_len for s in seqs], dtype=torch.int32)
+        k_lens = torch.tensor([0] + [s.kv_len for s in seqs], dtype=torch.int32)
         starts = [int(rows[0]) - (s.kv_len - s.query_len) for rows, s in zip(write_rows, seqs)]
-        as_int = dict(dtype=torch.int32, device=device)
+        ints = torch.stack([q_lens.cumsum(0, dtype=torch.int32), k_lens.cumsum(0, dtype=torch.int32),
+                            torch.tensor(starts + [starts[-1] + max(s.kv_len for s in seqs)], dtype=torch.int32),
+                            torch.tensor([0] + [s.slot for s in seqs], dtype=torch.int32), k_lens])
+        cu_q, cu_k, seq_starts, slots, used = to_device(ints, device)  # one copy for the small ones
         return cls(
             seqs=tuple(seqs),
-            write_rows=torch.cat(write_rows).to(device),
-            kv_rows=torch.cat(kv_rows).to(device) if gather else None,
-            cu_seqlens_q=q_lens.cumsum(0).to(**as_int),
-            cu_seqlens_k=k_lens.cumsum(0).to(**as_int),
-            seq_starts=torch.tensor(starts + [starts[-1] + max(s.kv_len for s in seqs)]).to(**as_int),
-            seqused_k=k_lens[1:].to(**as_int),
-            slots=torch.tensor([s.slot for s in seqs]).to(**as_int),
+            write_rows=to_device(torch.cat(write_rows), device),
+            kv_rows=to_device(torch.cat(kv_rows), device) if gather else None,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            seq_starts=seq_starts,
+            seqused_k=used[1:],
+            slots=slots[1:],
             slot_tokens=cache.block_size if reads == "blocks" else cache.spec.slot_tokens,
             max_query_len=max(s.query_len for s in seqs),
             max_kv_len=max(s.kv_len for s in seqs),
-            block_tables=cache.block_tables([s.slot for s in seqs]) if reads == "blocks" else None,
+            block_tables=to_device(cache.block_tables([s.slot for s in seqs], "cpu"), device) if reads == "blocks" else None,
         )
 
     @cached_property
@@ -99,13 +104,14 @@ class DecodePrefillSplit:
                 q_lens.append(seq.query_len)
             row += seq.query_len
         device = meta.seqused_k.device
-        as_long = dict(dtype=torch.long, device=device)
         chunks = [meta.seqs[i] for i in prefill_seqs]
         one_run = bool(prefill_rows) and prefill_rows[-1] - prefill_rows[0] + 1 == len(prefill_rows)
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=torch.long), device)
+
         return cls(
-            torch.tensor(rows, **as_long), torch.tensor(seqs, **as_long),
-            slice(prefill_rows[0], prefill_rows[-1] + 1) if one_run else torch.tensor(prefill_rows, **as_long),
-            torch.tensor(prefill_seqs, **as_long),
-            torch.tensor(q_lens).cumsum(0).to(dtype=torch.int32, device=device),
+            longs(rows), longs(seqs), slice(prefill_rows[0], prefill_rows[-1] + 1) if one_run else longs(prefill_rows),
+            longs(prefill_seqs), to_device(torch.tensor(q_lens).cumsum(0, dtype=torch.int32), device),
             max((s.query_len for s in chunks), default=0), max((s.kv_len for s in chunks), default=0),
         )
