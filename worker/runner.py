@@ -9,7 +9,7 @@ import torch
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep, SeqAttention
 from worker.model import Transformer
 from worker.rope import rope_cache, rope_for
-from worker.sampling import SampledToken, SamplingParams, draw, with_logprobs
+from worker.sampling import SampledToken, SamplingParams, draw
 from worker.staging import to_device
 
 
@@ -73,19 +73,19 @@ class StepOutput:
 @dataclass(frozen=True)
 class LaunchedStep:
     """A step whose kernels are queued: ``tokens`` ``[len(wanted)]`` are each sampling chunk's first drawn
-    token, on the device; ``result`` reads them (the one wait for the device)."""
+    token, on the device; ``result`` reads what was drawn (the one wait for the device)."""
 
     chunks: tuple[ScheduledChunk, ...]
     wanted: tuple[int, ...] = ()  # chunks that sample, in row order
-    logits: torch.Tensor | None = None  # [len(wanted), vocab] float32, kept only where logprobs are asked for
     tokens: torch.Tensor | None = None
-    more: tuple[tuple[int, int], ...] = ()  # (row, draws): rows of n > 1 draws, their later draws in ``host_more``
-    done: StepOutput | None = None  # a step that samples nothing: its output as it is
-    # ``tokens`` on their way to host memory, and the event after that copy (CUDA): reading the tokens waits
-    # for this step only, not for the steps queued behind it.
-    host_tokens: torch.Tensor | None = None
-    host_more: torch.Tensor | None = None
+    more: tuple[tuple[int, int], ...] = ()  # (row, draws): rows of n > 1 draws, the draws after their first
+    logprob_rows: tuple[int, ...] = ()  # rows that asked for logprobs
+    # On their way to host memory: the first draws, the later ones, the logprob of every draw of the logprob
+    # rows (in order), and those rows' top logprobs and their token ids. ``copied`` is the event after those
+    # copies (CUDA): reading them waits for this step only, not for the steps queued behind it.
+    host: tuple[torch.Tensor | None, ...] = ()
     copied: "torch.cuda.Event | None" = None
+    done: StepOutput | None = None  # a step that samples nothing: its output as it is
 
     @property
     def rows(self) -> dict[int, int]:
@@ -97,12 +97,12 @@ class LaunchedStep:
             return self.done
         if self.copied is not None:
             self.copied.synchronize()
-        first = self.host_tokens.tolist()
-        later, at = (self.host_more.tolist() if self.host_more is not None else []), 0
-        more = {}
+        first, later, chosen, top_values, top_ids = (t.tolist() if t is not None else [] for t in self.host)
+        more, at = {}, 0
         for row, n in self.more:
             more[row], at = later[at : at + n], at + n
-        sampled, logprobs = {}, {}
+        top = dict(zip(self.logprob_rows, zip(top_ids, top_values)))
+        sampled, logprobs, at = {}, {}, 0
         for row, i in enumerate(self.wanted):
             c = self.chunks[i]
             ids = (first[row], *more.get(row, ()))
@@ -110,7 +110,10 @@ class LaunchedStep:
                 ids = ids * c.num_samples  # n greedy samples are one token n times
             sampled[c.seq_id] = ids
             if c.params.logprobs is not None:
-                logprobs[c.seq_id] = tuple(with_logprobs(self.logits[row], t, c.params) for t in ids)
+                k, (alt_ids, alt_values) = c.params.logprobs, top[row]
+                alternatives = dict(zip(alt_ids[:k], alt_values[:k]))
+                logprobs[c.seq_id] = tuple(SampledToken(t, chosen[at + m], alternatives) for m, t in enumerate(ids))
+                at += len(ids)
         return StepOutput(sampled, logprobs=logprobs)
 
 
@@ -189,26 +192,34 @@ class ModelRunner:
         return self.model(inputs, rope, AttentionStep(self.cache, self.backend, meta))
 
     def _sample(self, chunks: tuple[ScheduledChunk, ...], wanted: tuple[int, ...], logits: torch.Tensor) -> LaunchedStep:
-        # Greedy rows take one batched argmax; the others draw on the device, row by row, so that nothing
-        # waits for the device before the step's result is read.
+        # Greedy rows take one batched argmax; the others draw on the device, row by row; logprobs are worked
+        # out on the device too: nothing waits for the device before the step's result is read.
         tokens = logits.argmax(-1)
-        more, later = [], []
+        more, later, drawn_by_row = [], [], {}
         for row, i in enumerate(wanted):
             c = chunks[i]
             if c.params.greedy:
+                drawn_by_row[row] = [tokens[row]] * c.num_samples
                 continue
             drawn = [draw(logits[row], c.params, c.sample_index + k, c.output_index, c.seed) for k in range(c.num_samples)]
             tokens[row] = drawn[0]
+            drawn_by_row[row] = drawn
             if len(drawn) > 1:
                 more.append((row, len(drawn) - 1))
                 later += drawn[1:]
-        later = torch.stack(later) if later else None
-        # Logprobs are worked out when the result is read, after later steps' graphs replayed into the buffer
-        # these logits may live in: only then are they kept, in a copy.
-        kept = logits.clone() if any(chunks[i].params.logprobs is not None for i in wanted) else None
+        logprob_rows = tuple(row for row, i in enumerate(wanted) if chunks[i].params.logprobs is not None)
+        chosen = top_values = top_ids = None
+        if logprob_rows:
+            rows = to_device(torch.tensor(logprob_rows), logits.device)
+            logp = logits[rows].log_softmax(-1)
+            draws = [(j, t) for j, row in enumerate(logprob_rows) for t in drawn_by_row[row]]
+            at = to_device(torch.tensor([j for j, _ in draws]), logits.device)
+            chosen = logp[at, torch.stack([t for _, t in draws])]
+            top_values, top_ids = torch.topk(logp, max(chunks[wanted[r]].params.logprobs for r in logprob_rows))
+        device_side = (tokens, torch.stack(later) if later else None, chosen, top_values, top_ids)
         if tokens.device.type != "cuda":
-            return LaunchedStep(chunks, wanted, kept, tokens, tuple(more), host_tokens=tokens, host_more=later)
-        host, host_later = _to_pinned(tokens), _to_pinned(later) if later is not None else None
+            return LaunchedStep(chunks, wanted, tokens, tuple(more), logprob_rows, device_side)
+        host = tuple(_to_pinned(t) if t is not None else None for t in device_side)
         copied = torch.cuda.Event()
         copied.record()
-        return LaunchedStep(chunks, wanted, kept, tokens, tuple(more), host_tokens=host, host_more=host_later, copied=copied)
+        return LaunchedStep(chunks, wanted, tokens, tuple(more), logprob_rows, host, copied)

@@ -88,13 +88,3 @@ def draw(logits: torch.Tensor, params: SamplingParams, sample_index: int, output
     # checks, which read values back from the device and so wait for everything queued before them.
     q = torch.empty_like(probs).exponential_(1, generator=_generator(seed, sample_index, output_index, logits.device))
     return (probs / q).argmax()
-
-
-def with_logprobs(logits: torch.Tensor, token: int, params: SamplingParams) -> SampledToken:
-    """``token`` drawn from ``logits`` ``[vocab]``, with the logprobs ``params`` asks for."""
-    if params.logprobs is None:
-        return SampledToken(token)
-    logp = logits.log_softmax(-1)
-    top = torch.topk(logp, params.logprobs) if params.logprobs else None
-    alternatives = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-    return SampledToken(token, float(logp[token]), alternatives)

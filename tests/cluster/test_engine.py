@@ -68,6 +68,30 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert len(out.token_ids) < len(full.token_ids)
 
 
+def test_logprobs_in_a_mixed_batch_belong_to_their_own_draws(llm):
+    """Greedy and sampled rows, n > 1, different logprob counts and rows without logprobs in the same steps:
+    each draw's logprob is its own token's in its own row's distribution (the top list agrees with it)."""
+    params = [SamplingParams(max_tokens=6, temperature=0, n=2, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=4, logprobs=20, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.7, seed=2, logprobs=0, ignore_eos=True)]
+    outputs = llm.generate(["abc", "hello there", "zz", "the quick brown fox"], params)
+    for out, p in zip(outputs, params):
+        for c in out.outputs:
+            if p.logprobs is None:
+                assert c.logprobs is None
+                continue
+            assert [lp.token_id for lp in c.logprobs] == list(c.token_ids)
+            for lp in c.logprobs:
+                assert len(lp.top_logprobs) == p.logprobs and lp.logprob <= 0
+                if lp.token_id in lp.top_logprobs:
+                    assert lp.logprob == pytest.approx(lp.top_logprobs[lp.token_id], abs=1e-6)
+                if lp.top_logprobs:
+                    assert lp.logprob <= max(lp.top_logprobs.values()) + 1e-6
+                    if p.temperature == 0:
+                        assert lp.logprob == pytest.approx(max(lp.top_logprobs.values()), abs=1e-6)
+
+
 def test_logprobs_are_returned(llm):
     out = run(llm, "abc", SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)).outputs[0]
     assert len(out.logprobs) == 3
