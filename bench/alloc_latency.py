@@ -16,7 +16,6 @@ waited for pages (mapped in the step, or the mapper not done), as a share of the
 from __future__ import annotations
 
 import argparse
-import random
 from pathlib import Path
 
 import matplotlib
@@ -25,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import report  # noqa: E402
-from throughput import GiB, run_engine  # noqa: E402
+from throughput import GiB, random_prompts, run_engine  # noqa: E402
 from worker.config import PRESETS  # noqa: E402
 
 MiB = 1 << 20
@@ -55,9 +54,7 @@ def main() -> None:
     parser.add_argument("--name", default="alloc_latency")
     args = parser.parse_args()
     config = PRESETS[args.model]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, config.vocab_size - 1) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-               for _ in range(args.requests)]
+    prompts = random_prompts(config, args.requests, args.min_prompt, args.max_prompt)
     results = {}
     for run in args.runs:
         suffix, options = RUNS[run.partition("#")[0]]

@@ -12,12 +12,11 @@ longest at once, from each layout's page arithmetic alone.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import report
 from cluster.engine import LLM
-from throughput import GiB
+from throughput import GiB, random_prompts
 from worker.config import PRESETS
 from worker.sampling import SamplingParams
 
@@ -59,9 +58,7 @@ def main() -> None:
     parser.add_argument("--name", default="memory_budget")
     args = parser.parse_args()
     config = PRESETS[args.model]
-    rng = random.Random(0)  # throughput.py's W1 prompts
-    low = min(1000, config.vocab_size // 2)
-    prompts = [[rng.randrange(low, config.vocab_size - 1) for _ in range(rng.randint(512, 2048))] for _ in range(args.requests)]
+    prompts = random_prompts(config, args.requests, 512, 2048)  # W1's
     results = {spec: run(args.model, spec, prompts, args.output, int(args.kv_memory_gib * GiB), args.max_num_batched_tokens,
                          args.device) for spec in args.runs}
     rows = [[spec, r["granularity_tokens"], r["largest_batch"], r["batch_at_longest"], r["preemptions"],

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import random
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import report
 from cluster.engine import LLM
-from throughput import GiB, ceilings, model_sizes
+from throughput import GiB, ceilings, model_sizes, random_prompts
 from worker.config import PRESETS
 from worker.sampling import SamplingParams
 
@@ -88,9 +87,7 @@ def main() -> None:
     parser.add_argument("--name", default="step_profile")
     args = parser.parse_args()
     config = PRESETS[args.model]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, config.vocab_size - 1) for _ in range(rng.randint(512, 2048))]
-               for _ in range(args.requests)]
+    prompts = random_prompts(config, args.requests, 512, 2048)  # W1's
     ceil = ceilings()
     params, weight_bytes, kv_token = model_sizes(config)
     with LLM(args.model, kv_layout=args.layout, attention=args.attention, kv_memory=40 * GiB, device="cuda",

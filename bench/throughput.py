@@ -35,6 +35,14 @@ from worker.sampling import SamplingParams  # noqa: E402
 GiB = 1 << 30
 
 
+def random_prompts(config: ModelConfig, requests: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """``requests`` prompts of random token ids, lengths uniform in [lo, hi] (W1: 128 in [512, 2048], seed 0).
+    Ids start at 1000, clear of special tokens, where the vocabulary is that large."""
+    rng = random.Random(seed)
+    first = min(1000, config.vocab_size // 2)
+    return [[rng.randrange(first, config.vocab_size - 1) for _ in range(rng.randint(lo, hi))] for _ in range(requests)]
+
+
 def cuda_ms(fn, iters: int = 10) -> float:
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -199,9 +207,7 @@ def main() -> None:
     args = parser.parse_args()
     config = PRESETS[args.model]
     stem = args.name or f"throughput_{args.model}"
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(1000, config.vocab_size - 1) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-               for _ in range(args.requests)]
+    prompts = random_prompts(config, args.requests, args.min_prompt, args.max_prompt, args.seed)
     in_tokens = sum(map(len, prompts))
     ceil = ceilings()
     floor = floor_seconds(config, prompts, args.output, ceil)

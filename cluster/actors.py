@@ -21,7 +21,7 @@ from kvmem.stats import PageMap, SlotAccounting
 from worker.messages import StepInput, WorkerOutput
 from worker.sampling import SamplingParams
 from worker.tokenizer import load_tokenizer
-from worker.worker import PendingOutput, Worker, WorkerConfig
+from worker.worker import Worker, WorkerConfig
 
 
 @ray.remote
@@ -32,7 +32,6 @@ class WorkerActor:
         self.config = config
         self.worker: Worker | None = None
         self._distributed = False
-        self._ahead: PendingOutput | None = None  # launched by the last call, finished by the next
 
     def address(self) -> str:
         """A TCP rendezvous on this actor's node for torch.distributed (rank 0 only)."""
@@ -78,11 +77,9 @@ class WorkerActor:
         """Queue ``step`` on the device, then finish the step the call before queued: the device runs this one
         while the scheduler takes that one's tokens. The reply carries the results finished now, in order: the
         step before's, and this one's too when it had no batch (nothing was queued)."""
+        before = self.worker.in_flight  # the call before's step
         pending = self.worker.launch(step)
-        done, self._ahead = ([self._ahead] if self._ahead is not None else []), pending
-        if pending.launched is None:
-            done.append(pending)
-            self._ahead = None
+        done = [p for p in (before, pending if pending.launched is None else None) if p is not None]
         outputs = []
         for p in done:
             out = self.worker.finish(p)
@@ -99,7 +96,6 @@ class WorkerActor:
         return self.worker.cache.page_map()
 
     def close(self) -> None:
-        self._ahead = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None

@@ -215,7 +215,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
     if attention in PAGED_KERNELS and (layout != "paged" or device != "cuda"):
         raise ValueError(f"attention {attention!r} needs the paged KV layout on CUDA")
-    if attention in (*IN_PLACE, *PAGED_KERNELS) and model.head_dim % 8:
+    in_place = (*IN_PLACE, *PAGED_KERNELS)  # kernels that read the cache where it is (their reads fit a CUDA graph)
+    if attention in in_place and model.head_dim % 8:
         # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.
         raise ValueError(f"attention {attention!r} needs head_dim a multiple of 8, got {model.head_dim}")
     for name in ("map_ahead", "deferred_reclamation"):
@@ -226,7 +227,6 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"block_size must be an int >= 1 (tokens a block of the paged layout), got {block_size!r}")
     if attention in PAGED_KERNELS and block_size % 256:
         raise ValueError(f"attention {attention!r} reads blocks of a multiple of 256 tokens, got block_size={block_size}")
-    in_place = (*IN_PLACE, *PAGED_KERNELS)  # kernels whose reads fit a CUDA graph's fixed buffers
     graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place and tp * pp == 1
     if graphs and attention not in in_place:
         raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {in_place}, got {attention!r}")

@@ -64,13 +64,14 @@ class PagedKVCache(NumberedSlotCache):
         with self._lock:
             return list(self._in_use(slot).pages)
 
-    def block_tables(self, slots: list[int], device: torch.device | str | None = None) -> torch.Tensor:
-        """``[len(slots), max_blocks]`` int32 block tables, padded with 0, on ``device`` (the cache's if None)."""
+    def block_tables(self, slots: list[int]) -> torch.Tensor:
+        """``[len(slots), max_blocks]`` int32 block tables, padded with 0, in host memory (a step stages them to
+        the device with its other inputs)."""
         with self._lock:
             tables = [self._in_use(s).pages for s in slots]
             width = max((len(t) for t in tables), default=0)
             out = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(slots), width)
-            return out.to(self.device if device is None else device)
+            return out
 
     def gather(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``slot``'s K and V of ``layer`` as contiguous ``[tokens, H, D]`` copies (reference path)."""

@@ -55,7 +55,7 @@ class DecodeGraphs:
             fill.apply(self.inputs[0], list(fill.chunks))
         if self.paged:
             # Columns past a row's blocks keep stale ids, which the kernel never reads (it stops at the length).
-            tables = self.cache.block_tables([c.slot for c in chunks] + [self.scratch] * pad, "cpu")
+            tables = self.cache.block_tables([c.slot for c in chunks] + [self.scratch] * pad)
             self.tables[:size, : tables.shape[1]].copy_(to_device(tables, self.device))
         if size not in self.graphs:
             self._capture(size)
@@ -69,7 +69,7 @@ class DecodeGraphs:
             tables = self.tables[:size]
             block = tables.gather(1, (positions // stride)[:, None])[:, 0].long()
             write_rows = block * stride + positions % stride
-            starts = block * 0
+            starts = torch.zeros_like(positions)  # slot offsets: read by the in-place slot kernels only
         else:  # a virtual cache: token t of slot s is row s * slot_tokens + t (the layout of cache.token_rows)
             stride = self.cache.spec.slot_tokens
             tables = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -81,11 +81,17 @@ class LaunchedStep:
     more: tuple[tuple[int, int], ...] = ()  # (row, draws): rows of n > 1 draws, the draws after their first
     logprob_rows: tuple[int, ...] = ()  # rows that asked for logprobs
     # On their way to host memory: the first draws, the later ones, the logprob of every draw of the logprob
-    # rows (in order), and those rows' top logprobs and their token ids. ``copied`` is the event after those
-    # copies (CUDA): reading them waits for this step only, not for the steps queued behind it.
+    # rows (in order), and those rows' top logprobs and their token ids.
     host: tuple[torch.Tensor | None, ...] = ()
-    copied: "torch.cuda.Event | None" = None
     done: StepOutput | None = None  # a step that samples nothing: its output as it is
+    # Recorded after the step's kernels and copies (CUDA): waiting for it waits for this step only, not for the
+    # steps queued behind it.
+    queued: "torch.cuda.Event | None" = None
+
+    @property
+    def running(self) -> bool:
+        """Its kernels are still queued or running on the device."""
+        return self.queued is not None and not self.queued.query()
 
     @property
     def rows(self) -> dict[int, int]:
@@ -93,10 +99,10 @@ class LaunchedStep:
         return {self.chunks[i].seq_id: row for row, i in enumerate(self.wanted)}
 
     def result(self) -> StepOutput:
+        if self.queued is not None:
+            self.queued.synchronize()  # also for a step with nothing to read: its slots may be freed next
         if self.done is not None:
             return self.done
-        if self.copied is not None:
-            self.copied.synchronize()
         first, later, chosen, top_values, top_ids = (t.tolist() if t is not None else [] for t in self.host)
         more, at = {}, 0
         for row, n in self.more:
@@ -154,9 +160,17 @@ class ModelRunner:
         """Run ``plan``; ``inputs`` are the previous pipeline stage's hidden states (none on the first)."""
         return self.launch(plan, inputs).result()
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> LaunchedStep:
         """Queue ``plan``'s kernels and its sampling; nothing here waits for the device."""
+        launched = self._queue(plan, inputs)
+        if self.device.type != "cuda":
+            return launched
+        queued = torch.cuda.Event()
+        queued.record()
+        return replace(launched, queued=queued)
+
+    @torch.inference_mode()
+    def _queue(self, plan: StepPlan, inputs: torch.Tensor | None) -> LaunchedStep:
         chunks = plan.chunks
         for c in chunks:
             held = self.cache.num_tokens(c.slot)
@@ -217,9 +231,5 @@ class ModelRunner:
             chosen = logp[at, torch.stack([t for _, t in draws])]
             top_values, top_ids = torch.topk(logp, max(chunks[wanted[r]].params.logprobs for r in logprob_rows))
         device_side = (tokens, torch.stack(later) if later else None, chosen, top_values, top_ids)
-        if tokens.device.type != "cuda":
-            return LaunchedStep(chunks, wanted, tokens, tuple(more), logprob_rows, device_side)
-        host = tuple(_to_pinned(t) if t is not None else None for t in device_side)
-        copied = torch.cuda.Event()
-        copied.record()
-        return LaunchedStep(chunks, wanted, tokens, tuple(more), logprob_rows, host, copied)
+        host = device_side if tokens.device.type != "cuda" else tuple(t if t is None else _to_pinned(t) for t in device_side)
+        return LaunchedStep(chunks, wanted, tokens, tuple(more), logprob_rows, host)

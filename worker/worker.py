@@ -30,7 +30,6 @@ class PendingOutput:
     step: int
     launched: LaunchedStep | None  # None: a step without a batch (KV operations only)
     ahead: MappingPlan | None
-    queued: "torch.cuda.Event | None"  # recorded after its kernels (CUDA only)
 
 
 class PeerFailed(RuntimeError):
@@ -113,6 +112,11 @@ class Worker:
             self.cache = None
             raise
 
+    @property
+    def in_flight(self) -> PendingOutput | None:
+        """The step launched last, while its result is not read yet."""
+        return self._in_flight
+
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None) -> StepOutput:
         """Apply the step's KV operations, map ahead while the step runs, run it."""
         return self.finish(self.launch(step, inputs))
@@ -134,9 +138,6 @@ class Worker:
             if pending.launched is None:
                 return StepOutput({})
             try:
-                if pending.launched.done is not None and pending.queued is not None:
-                    # Nothing to read back, so nothing waited for its kernels: once finished, its slots may be freed.
-                    pending.queued.synchronize()
                 out = pending.launched.result()
                 if self.config.fills_placeholders:  # not for sequences that ended meanwhile (their state is gone)
                     self._last.update((s, drawn[0]) for s, drawn in out.sampled.items() if s in self._seqs)
@@ -151,18 +152,15 @@ class Worker:
             self._busy += time.perf_counter() - start
 
     def _launch(self, step: StepInput, inputs: torch.Tensor | None) -> PendingOutput:
-        prev = self._in_flight
+        prev = self._in_flight.launched if self._in_flight is not None else None
         error = None
         try:
-            if prev is not None:
-                # Its ensures must not race the operations below. A wait while the step before still runs on
-                # the device is hidden: not a stall.
-                waited = self.mapper.wait(prev.ahead, record=False)
-                if prev.queued is None or prev.queued.query():
-                    self.cache.add_stall(waited)
-                if prev.queued is not None and any(not isinstance(op, (Ensure, AllocSlot)) for op in step.kv_ops):
-                    # A freed slot (or swapped, shared) may be unmapped or handed on: only once no queued kernel reads it.
-                    prev.queued.synchronize()
+            # Mapping waited for: the mapper's plan for the step before (its ensures must not race the operations
+            # below), and pages mapped here that it did not map ahead.
+            waited = self.mapper.wait(self._in_flight.ahead, record=False) if self._in_flight is not None else 0.0
+            if prev is not None and prev.queued is not None and any(not isinstance(op, (Ensure, AllocSlot)) for op in step.kv_ops):
+                # A freed slot (or swapped, shared) may be unmapped or handed on: only once no queued kernel reads it.
+                prev.queued.synchronize()
             for seq in step.new_seqs:
                 self._seqs[seq.seq_id] = seq
             for seq_id in step.finished_seqs:
@@ -170,12 +168,11 @@ class Worker:
                 self._last.pop(seq_id, None)
             maps, started = self.cache.counters()[0], time.perf_counter()
             apply_ops(self.cache, step.kv_ops, self.swap)
-            # Pages the mapper did not map ahead: the step waited for them -- unless the step before was still
-            # running on the device all along (launched ahead), which hid the wait.
-            hidden = prev is not None and prev.queued is not None and not prev.queued.query()
-            if self.cache.counters()[0] != maps and not hidden:
-                self.cache.add_stall(time.perf_counter() - started)
-            plan = self._plan(step, prev.launched if prev is not None else None)
+            if self.cache.counters()[0] != maps:
+                waited += time.perf_counter() - started
+            if waited and not (prev is not None and prev.running):  # a step still running hid the wait
+                self.cache.add_stall(waited)
+            plan = self._plan(step, prev)
         except Exception as exc:  # e.g. KVCacheExhausted: this cache and the ledger disagree
             error = exc
         # A rank that failed here would leave its TP peers waiting in the layers' all-reduces forever:
@@ -186,18 +183,14 @@ class Worker:
             raise error or PeerFailed(f"TP rank {failed} of stage {c.pp_rank} failed step {step.step} (its log has why); "
                                       f"rank {c.tp_rank} stops with it")
         if not step.seq_ids:
-            return PendingOutput(step.step, None, None, None)
+            return PendingOutput(step.step, None, None)
         ahead = self.mapper.submit(MappingPlan(step.ahead))
         try:
             launched = self.runner.launch(plan, inputs)
         except BaseException:
             self.mapper.wait(ahead)
             raise
-        queued = None
-        if self.device.type == "cuda":
-            queued = torch.cuda.Event()
-            queued.record()
-        pending = self._in_flight = PendingOutput(step.step, launched, ahead, queued)
+        pending = self._in_flight = PendingOutput(step.step, launched, ahead)
         return pending
 
     def _plan(self, step: StepInput, prev: LaunchedStep | None) -> StepPlan:

@@ -35,43 +35,60 @@ def import_flash_attn():
     return flash_attn
 
 
-class FlashAttnKVCache:
-    """Decode sequences (one query each) in one batched ``flash_attn_with_kvcache`` call; the prefill chunks
-    of the step in one varlen call, causal from the bottom right so that a chunk attends to its cached prefix."""
+class _FlashAttn:
+    """A step's decode sequences (one query each) in one ``flash_attn_with_kvcache`` call, its prefill chunks in
+    one varlen call, causal from the bottom right so that a chunk attends to its cached prefix. Subclasses say
+    how the kernels find a sequence's K/V."""
+
+    def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # [slot, token, H, D] of a virtual cache, [block, token, H, D] of a paged one
+        k_cache = k_rows.unflatten(0, (-1, meta.slot_tokens))
+        v_cache = v_rows.unflatten(0, (-1, meta.slot_tokens))
+        if meta.max_query_len == 1:  # all decode (and every CUDA-graph step, whose meta lists no seqs)
+            return self._decode(q, k_cache, v_cache, meta, slice(None))
+        split = meta.split
+        out = torch.empty_like(q)
+        if len(split.decode_rows):
+            out[split.decode_rows] = self._decode(q[split.decode_rows], k_cache, v_cache, meta, split.decode_seqs)
+        out[split.prefill_rows] = self._prefill(q[split.prefill_rows], k_rows, v_rows, k_cache, v_cache, meta)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, seqs) -> torch.Tensor:
+        """``q`` of the sequences ``seqs`` (indices into the step's per-sequence tensors) -> their output."""
+
+    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """``q`` of the step's prefill chunks (``meta.split``) -> their output."""
+
+
+class FlashAttnKVCache(_FlashAttn):
+    """By slot: decode through ``cache_batch_idx``; prefill chunks through the plain varlen FA2 kernel, which
+    reads each slot's rows in place."""
 
     reads = "slots"
 
     def __init__(self):
         self._kvcache = import_flash_attn().flash_attn_with_kvcache
 
-    def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache = k_rows.unflatten(0, (-1, meta.slot_tokens))
-        v_cache = v_rows.unflatten(0, (-1, meta.slot_tokens))
-        if meta.max_query_len == 1:  # all decode (and every CUDA-graph step, whose meta lists no seqs)
-            return self._decode(q, k_cache, v_cache, meta.seqused_k, meta.slots)
+    def _decode(self, q, k_cache, v_cache, meta, seqs):
+        # One query sees its whole prefix, so no mask; the kernel folds each KV head's query heads into the
+        # query length (one K/V read per KV head).
+        return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=meta.seqused_k[seqs],
+                             cache_batch_idx=meta.slots[seqs])[:, 0]
+
+    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta):
         split = meta.split
-        out = torch.empty_like(q)
-        if len(split.decode_rows):
-            seqs = split.decode_seqs
-            out[split.decode_rows] = self._decode(q[split.decode_rows], k_cache, v_cache, meta.seqused_k[seqs], meta.slots[seqs])
         seqs = split.prefill_seqs
         starts = meta.seq_starts[seqs]
         # aten's FA2 wants B + 1 offsets; with seqused_k only the first B are read.
-        out[split.prefill_rows] = torch.ops.aten._flash_attention_forward(
-            q[split.prefill_rows], k_rows, v_rows, split.prefill_cu_seqlens_q, torch.cat([starts, starts[-1:]]),
-            split.prefill_max_query_len, split.prefill_max_kv_len, 0.0, True, False, seqused_k=meta.seqused_k[seqs],
+        return torch.ops.aten._flash_attention_forward(
+            q, k_rows, v_rows, split.prefill_cu_seqlens_q, torch.cat([starts, starts[-1:]]), split.prefill_max_query_len,
+            split.prefill_max_kv_len, 0.0, True, False, seqused_k=meta.seqused_k[seqs],
         )[0]
-        return out
-
-    def _decode(self, q, k_cache, v_cache, lengths, slots) -> torch.Tensor:
-        # One query sees its whole prefix, so no mask; the kernel folds each KV head's query heads into the
-        # query length (one K/V read per KV head).
-        return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=slots)[:, 0]
 
 
-class FlashAttnPaged:
-    """Decode sequences in one ``flash_attn_with_kvcache(block_table=...)`` call; the prefill chunks in one
-    ``flash_attn_varlen_func(block_table=...)`` call."""
+class FlashAttnPaged(_FlashAttn):
+    """Through block tables: decode through ``flash_attn_with_kvcache(block_table=...)``, prefill chunks through
+    ``flash_attn_varlen_func(block_table=...)``."""
 
     reads = "blocks"
 
@@ -79,27 +96,13 @@ class FlashAttnPaged:
         fa = import_flash_attn()
         self._kvcache, self._varlen = fa.flash_attn_with_kvcache, fa.flash_attn_varlen_func
 
-    def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.slot_tokens % 256:
-            raise ValueError(f"attention backend 'flash_attn_paged' needs blocks of a multiple of 256 tokens, got {meta.slot_tokens}")
-        k_cache = k_rows.unflatten(0, (-1, meta.slot_tokens))  # [block, token, H, D]
-        v_cache = v_rows.unflatten(0, (-1, meta.slot_tokens))
-        tables = meta.block_tables
-        if meta.max_query_len == 1:
-            return self._decode(q, k_cache, v_cache, meta.seqused_k, tables)
-        split = meta.split
-        out = torch.empty_like(q)
-        if len(split.decode_rows):
-            seqs = split.decode_seqs
-            out[split.decode_rows] = self._decode(q[split.decode_rows], k_cache, v_cache, meta.seqused_k[seqs], tables[seqs])
-        seqs = split.prefill_seqs
-        lengths = meta.seqused_k[seqs]
-        cu_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-        out[split.prefill_rows] = self._varlen(
-            q[split.prefill_rows], k_cache, v_cache, split.prefill_cu_seqlens_q, cu_k, split.prefill_max_query_len,
-            split.prefill_max_kv_len, causal=True, block_table=tables[seqs],
-        )
-        return out
+    def _decode(self, q, k_cache, v_cache, meta, seqs):
+        return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=meta.seqused_k[seqs],
+                             block_table=meta.block_tables[seqs])[:, 0]
 
-    def _decode(self, q, k_cache, v_cache, lengths, tables) -> torch.Tensor:
-        return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=lengths, block_table=tables)[:, 0]
+    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta):
+        split = meta.split
+        seqs = split.prefill_seqs
+        cu_k = torch.nn.functional.pad(meta.seqused_k[seqs].cumsum(0, dtype=torch.int32), (1, 0))
+        return self._varlen(q, k_cache, v_cache, split.prefill_cu_seqlens_q, cu_k, split.prefill_max_query_len,
+                            split.prefill_max_kv_len, causal=True, block_table=meta.block_tables[seqs])

@@ -68,7 +68,7 @@ class AttentionMetadata:
             slot_tokens=cache.block_size if reads == "blocks" else cache.spec.slot_tokens,
             max_query_len=max(s.query_len for s in seqs),
             max_kv_len=max(s.kv_len for s in seqs),
-            block_tables=to_device(cache.block_tables([s.slot for s in seqs], "cpu"), device) if reads == "blocks" else None,
+            block_tables=to_device(cache.block_tables([s.slot for s in seqs]), device) if reads == "blocks" else None,
         )
 
     @cached_property
