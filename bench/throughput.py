@@ -154,6 +154,9 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         "mean_decode_step_ms": 1e3 * decode_s / max(1, decode_steps),
         "mean_decode_worker_ms": 1e3 * (after.decode_busy_seconds - before.decode_busy_seconds) / max(1, decode_steps),
         "mean_step_ms": 1e3 * (after.step_seconds - before.step_seconds) / max(1, after.num_steps - before.num_steps),
+        # steps with a prefill chunk (mixed ones too): W1's are mostly full 8192-token chunks
+        "mean_prefill_step_ms": 1e3 * (after.step_seconds - before.step_seconds - decode_s)
+                                / max(1, after.num_steps - before.num_steps - decode_steps),
         "peak_kv_bytes": worker.peak_mapped_bytes, "kv_pool_bytes": worker.pool_bytes,  # per worker
         "peak_kv_bytes_per_worker": [w.peak_mapped_bytes for w in after.workers],
         "preemptions": after.num_preemptions - before.num_preemptions,
@@ -257,7 +260,8 @@ def main() -> None:
     for name, r in runs.items():
         if "worker_busy_s" in r:
             print(f"{name}: steps {r['engine_step_s']:.3f} s, of which the worker executed {r['worker_busy_s']:.3f} s; "
-                  f"decode step {r['mean_decode_step_ms']:.2f} ms, of which the worker {r['mean_decode_worker_ms']:.2f} ms")
+                  f"decode step {r['mean_decode_step_ms']:.2f} ms, of which the worker {r['mean_decode_worker_ms']:.2f} ms; "
+                  f"prefill step {r['mean_prefill_step_ms']:.1f} ms; mapping stall {r['stall_s']:.3f} s")
     report.write(stem, headers, rows, results, args.out)
     plot(rows, floor["total_s"], args.out / f"{stem}.png")
 

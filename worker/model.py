@@ -68,9 +68,13 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config, tp)
 
-    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
-        h, normed = self.ffn_norm(self.attention(self.attention_norm(x), rope, attn), residual=x)
-        return h + self.feed_forward(normed)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: AttentionStep):
+        """``x`` the block before's output and ``residual`` the stream before that block (``None``: ``x`` is the
+        stream) -> this block's ``(output, residual)``. The stream after a block is their sum, which the next
+        block's norm adds in its kernel: one elementwise pass fewer a layer."""
+        residual, normed = (x, self.attention_norm(x)) if residual is None else self.attention_norm(x, residual=residual)
+        h, normed = self.ffn_norm(self.attention(normed, rope, attn), residual=residual)
+        return self.feed_forward(normed), h
 
 
 class Transformer(nn.Module):
@@ -93,10 +97,10 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
         """``x``: token ids ``[tokens]`` on the first stage, hidden states ``[tokens, hidden]`` after;
         ``rope``: (cos, sin) of the tokens' positions (``rope_for``)."""
-        h = self.tok_embeddings(x) if self.is_first else x
+        h, residual = self.tok_embeddings(x) if self.is_first else x, None
         for block in self.layers:
-            h = block(h, rope, attn)
-        return h
+            h, residual = block(h, residual, rope, attn)
+        return h if residual is None else h + residual
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h)).float()

@@ -20,6 +20,8 @@ def _config(kind: str):
         scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 32}
         return transformers.LlamaConfig(**common, rope_scaling=scaling, rope_theta=500000.0), transformers.LlamaForCausalLM
+    if kind == "llama128":  # 128-dim heads: the size FlashInfer's prebuilt kernels take
+        return transformers.LlamaConfig(**{**common, "hidden_size": 512}), transformers.LlamaForCausalLM
     if kind == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None), transformers.MistralForCausalLM
     return transformers.Qwen2Config(**common, tie_word_embeddings=True), transformers.Qwen2ForCausalLM
@@ -35,6 +37,12 @@ def hf_model(request, tmp_path_factory):
 def hf_llama(tmp_path_factory):
     """``hf_model`` for Llama alone."""
     return write_hf_model("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def hf_llama128(tmp_path_factory):
+    """``hf_model`` for a Llama with 128-dim heads."""
+    return write_hf_model("llama128", tmp_path_factory)
 
 
 def write_hf_model(kind: str, tmp_path_factory):

@@ -176,35 +176,43 @@ def test_a_kv_memory_fraction_sizes_the_pool_after_the_weights_load(layout):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
-@pytest.mark.parametrize(("layout", "fastest", "fallback"), [("mega", "flash_attn", "fa2"), ("paged", "flash_attn_paged", "paged")])
-def test_the_default_attention_on_cuda_is_the_fastest_installed(caplog, layout, fastest, fallback):
+@pytest.mark.parametrize(("layout", "fastest", "middle", "fallback"), [("mega", "flashinfer", "flash_attn", "fa2"),
+                                                                 ("paged", "flashinfer_paged", "flash_attn_paged", "paged")])
+def test_the_default_attention_on_cuda_is_the_fastest_installed(caplog, layout, fastest, middle, fallback):
     import importlib.util
 
     from cluster.config import EngineConfig, plan
 
     chosen = plan(EngineConfig("tiny", device="cuda", kv_layout=layout), PRESETS["tiny"], "cuda")  # plans only: no GPU needed
-    if importlib.util.find_spec("flash_attn") is not None:
+    flash_attn, flashinfer = (importlib.util.find_spec(name) is not None for name in ("flash_attn", "flashinfer"))
+    if flash_attn and flashinfer:
         assert chosen.attention == fastest
+    elif flash_attn:
+        assert chosen.attention == middle and "flashinfer does not import (No module named 'flashinfer'): prefill " \
+                                              f"runs on flash-attn's FA2 kernels ({middle}), slower" in caplog.text
     else:
         assert chosen.attention == fallback and "flash-attn does not import (No module named 'flash_attn'): attention " \
                                                 f"runs on torch's FlashAttention-2 ({fallback}), slower" in caplog.text
-    # flash-attn's paged kernel reads blocks of 256 tokens; the gather path keeps vLLM's 16
-    assert chosen.ledger_spec.page_size == (256 if chosen.attention == "flash_attn_paged" else 16 if layout == "paged" else 2 << 20)
+    # flash-attn's paged decode reads blocks of 256 tokens; the gather path keeps vLLM's 16
+    assert chosen.ledger_spec.page_size == (256 if chosen.attention.endswith("_paged") else 16 if layout == "paged" else 2 << 20)
     assert plan(EngineConfig("tiny", device="cuda", attention="fa2"), PRESETS["tiny"], "cuda").attention == "fa2"
 
 
-def test_the_paged_kernel_needs_the_paged_layout_and_blocks_of_256_tokens():
+@pytest.mark.parametrize("attention", ["flash_attn_paged", "flashinfer_paged"])
+def test_the_paged_kernels_need_the_paged_layout_and_blocks_of_256_tokens(attention):
     from cluster.config import EngineConfig, plan
 
-    with pytest.raises(ValueError, match="attention 'flash_attn_paged' needs the paged KV layout on CUDA"):
-        plan(EngineConfig("tiny", device="cuda", attention="flash_attn_paged"), PRESETS["tiny"], "cuda")
-    with pytest.raises(ValueError, match="attention 'flash_attn_paged' reads blocks of a multiple of 256 tokens, got block_size=16"):
-        plan(EngineConfig("tiny", device="cuda", kv_layout="paged", attention="flash_attn_paged", block_size=16), PRESETS["tiny"], "cuda")
-    paged = plan(EngineConfig("tiny", device="cuda", kv_layout="paged", attention="flash_attn_paged"), PRESETS["tiny"], "cuda")
+    with pytest.raises(ValueError, match=f"attention '{attention}' needs the paged KV layout on CUDA"):
+        plan(EngineConfig("tiny", device="cuda", attention=attention), PRESETS["tiny"], "cuda")
+    with pytest.raises(ValueError, match=f"attention '{attention}' reads blocks of a multiple of 256 tokens, got block_size=16"):
+        plan(EngineConfig("tiny", device="cuda", kv_layout="paged", attention=attention, block_size=16), PRESETS["tiny"], "cuda")
+    paged = plan(EngineConfig("tiny", device="cuda", kv_layout="paged", attention=attention), PRESETS["tiny"], "cuda")
     assert paged.workers[0].graph_batch > 0  # its reads fit a CUDA graph too
+    assert paged.ledger_spec.page_size == 256
 
 
-@pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn")])
+@pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn"),
+                                                  ("paged", "flashinfer")])
 def test_in_place_attention_needs_a_virtual_layout_on_cuda(layout, attention):
     with pytest.raises(ValueError, match=f"attention '{attention}' needs a virtual KV layout"):
         LLM("tiny", kv_layout=layout, attention=attention, device="cpu")

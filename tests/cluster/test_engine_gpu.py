@@ -15,6 +15,15 @@ pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
+def needs(attention: str) -> None:
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    if attention.startswith("flash"):
+        pytest.importorskip("flash_attn")
+    if attention.startswith("flashinfer"):
+        pytest.importorskip("flashinfer")
+
+
 def generate(path: str, prompts: list[list[int]], layout: str, attention: str, graphs: bool) -> list[list[int]]:
     with LLM(path, kv_layout=layout, attention=attention, cuda_graphs=graphs, dtype="bfloat16", device="cuda",
              max_num_seqs=8, max_model_len=128, kv_memory=64 << 20) as llm:
@@ -29,10 +38,19 @@ def generate(path: str, prompts: list[list[int]], layout: str, attention: str, g
     ("paged", "flash_attn_paged", True), ("paged", "flash_attn_paged", False),
 ])
 def test_fast_paths_agree_with_the_reference_engine(hf_model, layout, attention, graphs):
-    if cuda_missing():
-        pytest.skip(cuda_missing())
-    if attention.startswith("flash_attn"):
-        pytest.importorskip("flash_attn")
+    needs(attention)
+    agree_with_the_reference(hf_model, layout, attention, graphs)
+
+
+@pytest.mark.parametrize(("layout", "attention", "graphs"), [
+    ("mega", "flashinfer", True), ("per_layer", "flashinfer", False), ("paged", "flashinfer_paged", True),
+])
+def test_flashinfer_prefill_agrees_with_the_reference_engine(hf_llama128, layout, attention, graphs):
+    needs(attention)
+    agree_with_the_reference(hf_llama128, layout, attention, graphs)
+
+
+def agree_with_the_reference(hf_model, layout: str, attention: str, graphs: bool) -> None:
     path, prompts, _ = hf_model
     want = generate(path, prompts, "mega", "torch", False)
     got = generate(path, prompts, layout, attention, graphs)
@@ -58,17 +76,16 @@ def test_a_kv_memory_fraction_takes_that_share_of_what_the_weights_leave():
         assert llm.cache.stats().slots_in_use == 0
 
 
-@pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn_paged")])
-def test_async_scheduling_on_the_gpu_gives_the_sync_engines_outputs(layout, attention):
+@pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn_paged"),
+                                                  ("mega", "flashinfer"), ("paged", "flashinfer_paged")])
+def test_async_scheduling_on_the_gpu_gives_the_sync_engines_outputs(hf_llama128, layout, attention):
     """Step k+1 launched before step k's tokens are read: placeholders filled from tokens still on the device,
     tokens read through pinned copies, slots freed and reused while a step is queued, CUDA graphs and eager
     mixed steps, seeded sampling, n > 1, logprobs. bf16 batches differ in composition between the two modes,
     so a near-tie may flip a token: the first tokens must match and nearly all the rest."""
-    if cuda_missing():
-        pytest.skip(cuda_missing())
-    if attention.startswith("flash_attn"):
-        pytest.importorskip("flash_attn")
-    prompts = [list(range(5, 40)), list(range(100, 103)), list(range(200, 290)), [7, 8, 9, 10], list(range(300, 340))] * 2
+    needs(attention)
+    model = hf_llama128[0] if attention.startswith("flashinfer") else "tiny"
+    prompts = [list(range(5, 40)), list(range(100, 103)), list(range(200, 290)), [7, 8, 9, 10], list(range(270, 310))] * 2
     params = [
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=5, ignore_eos=True),
@@ -78,7 +95,7 @@ def test_async_scheduling_on_the_gpu_gives_the_sync_engines_outputs(layout, atte
     ] * 2
 
     def run(overlap: bool):
-        with LLM("tiny", kv_layout=layout, attention=attention, async_scheduling=overlap, dtype="bfloat16", device="cuda",
+        with LLM(model, kv_layout=layout, attention=attention, async_scheduling=overlap, dtype="bfloat16", device="cuda",
                  max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64) as llm:
             outputs = llm.generate(prompts, params)
             assert llm.core.ledger.accounting() == llm.cache.accounting()

@@ -21,10 +21,10 @@ from worker.attention import AttentionMetadata, SeqAttention, get_backend
 LAYERS, HEADS, KV_HEADS, DIM = 2, 8, 2, 64
 
 
-def fill(cache, seqs: list[SeqAttention], gen: torch.Generator) -> None:
+def fill(cache, seqs: list[SeqAttention], gen: torch.Generator, layers=range(LAYERS)) -> None:
     for s in seqs:
-        for layer in range(LAYERS):
-            shape, like = (s.kv_len, KV_HEADS, DIM), cache.rows(layer)[0]
+        for layer in layers:
+            shape, like = (s.kv_len, KV_HEADS, cache.spec.head_dim), cache.rows(layer)[0]
             k = torch.randn(shape, generator=gen).to(like)
             cache.write(layer, s.slot, 0, k, torch.randn(shape, generator=gen).to(like))
 
@@ -38,23 +38,23 @@ def cases(max_tokens: int) -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def run(cache, backend: str, seqs, q, device) -> torch.Tensor:
+def run(cache, backend: str, seqs, q, device, layer: int = 1) -> torch.Tensor:
     impl = get_backend(backend, device)
     meta = AttentionMetadata.build(seqs, cache, torch.device(device), impl.reads)
-    k_rows, v_rows = cache.rows(1)
+    k_rows, v_rows = cache.rows(layer)
     return impl.forward(q, k_rows, v_rows, meta).float()
 
 
-def setup(cache_kind: str, layout: str, device: str, case: list[tuple[int, int]], block_size: int = 16):
+def setup(cache_kind: str, layout: str, device: str, case: list[tuple[int, int]], block_size: int = 16, dim: int = DIM):
     max_tokens = 1024
     if cache_kind == "paged":
-        spec = paged_spec(LAYERS, KV_HEADS, DIM, block_size, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+        spec = paged_spec(LAYERS, KV_HEADS, dim, block_size, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                           max_slots=8, max_tokens=max_tokens)
         cache = PagedKVCache(spec, 8 * max_tokens * spec.bytes_per_token, device)
     else:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         page = 2 << 20 if device == "cuda" else 64 << 10
-        spec = KVCacheSpec(LAYERS, KV_HEADS, DIM, dtype, 8, max_tokens, layout, page)
+        spec = KVCacheSpec(LAYERS, KV_HEADS, dim, dtype, 8, max_tokens, layout, page)
         cache = VirtualKVCache(spec, 8 * spec.physical_bytes_for(max_tokens), make_vmm("cuda" if device == "cuda" else "host"))
     slots = [cache.alloc_slot() for _ in case]
     order = [slots[i] for i in (2, 0, 3, 1)]  # slots out of order: starts are not monotonic
@@ -63,7 +63,7 @@ def setup(cache_kind: str, layout: str, device: str, case: list[tuple[int, int]]
         cache.ensure(s.slot, s.kv_len)
     gen = torch.Generator().manual_seed(0)
     fill(cache, seqs, gen)
-    q = torch.randn(sum(s.query_len for s in seqs), HEADS, DIM, generator=gen).to(device=device, dtype=spec.dtype)
+    q = torch.randn(sum(s.query_len for s in seqs), HEADS, dim, generator=gen).to(device=device, dtype=spec.dtype)
     return cache, seqs, q
 
 
@@ -82,7 +82,7 @@ def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_in_place_backends_need_cuda():
-    for name in ("fa2", "flash_attn", "flash_attn_paged"):
+    for name in ("fa2", "flash_attn", "flash_attn_paged", "flashinfer", "flashinfer_paged"):
         with pytest.raises(ValueError, match=f"attention backend '{name}' needs a CUDA device"):
             get_backend(name, "cpu")
 
@@ -94,20 +94,58 @@ def test_flash_attn_backends_say_how_to_get_the_package(name):
         get_backend(name, "cuda")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed")
+@pytest.mark.parametrize("name", ["flashinfer", "flashinfer_paged"])
+def test_flashinfer_backends_say_how_to_get_the_package(name):
+    with pytest.raises(ImportError, match="attention backends 'flashinfer' and 'flashinfer_paged' need the flashinfer-python"):
+        get_backend(name, "cuda")
+
+
+def needs(backend: str) -> None:
+    """Skip where the GPU or the backend's package is missing."""
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    if backend.startswith("flash"):
+        pytest.importorskip("flash_attn")
+    if backend.startswith("flashinfer"):
+        pytest.importorskip("flashinfer")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["prefill", "chunked", "decode"])
 @pytest.mark.parametrize(("layout", "backend"), [("mega", "fa2"), ("per_layer", "fa2"), ("paged", "paged"),
                                                  ("mega", "flash_attn"), ("per_layer", "flash_attn"),
-                                                 ("paged", "flash_attn_paged")])
+                                                 ("paged", "flash_attn_paged"), ("mega", "flashinfer"),
+                                                 ("per_layer", "flashinfer"), ("paged", "flashinfer_paged")])
 def test_fast_backends_agree_with_reference_on_gpu(layout, backend, case):
-    if cuda_missing():
-        pytest.skip(cuda_missing())
-    if backend.startswith("flash_attn"):
-        pytest.importorskip("flash_attn")
+    needs(backend)
     cache_kind = "paged" if layout == "paged" else "virtual"
-    block = 256 if backend == "flash_attn_paged" else 16
-    cache, seqs, q = setup(cache_kind, layout, "cuda", cases(1024)[case], block)
+    block = 256 if backend in ("flash_attn_paged", "flashinfer_paged") else 16
+    # FlashInfer's kernels are compiled per head size: 128 is the one tools/gpu_flashinfer_wheels.sh prebuilds
+    dim = 128 if backend.startswith("flashinfer") else DIM
+    cache, seqs, q = setup(cache_kind, layout, "cuda", cases(1024)[case], block, dim)
     fast = run(cache, backend, seqs, q, "cuda")
     ref = run(cache, "torch", seqs, q, "cuda")
     assert relerr(fast, ref) < 1e-2
+    cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_attn", "flashinfer"])
+def test_in_place_kernels_read_slots_past_four_billion_elements(backend):
+    """A mega cache whose last slots start past 2**32 elements of their buffer (16 GiB of bf16): kernels that
+    keep offsets in 32 bits would read the wrong rows. Only the used slots' pages are mapped."""
+    needs(backend)
+    layers, dim, max_tokens = 16, 128, 1 << 17  # a slot is 2**17 tokens x 16 layers x 2 heads x 128 = 2**29 elements
+    spec = KVCacheSpec(layers, KV_HEADS, dim, torch.bfloat16, 12, max_tokens, "mega", 2 << 20)
+    cache = VirtualKVCache(spec, 4 * spec.physical_bytes_for(1024), make_vmm("cuda"))
+    seqs = [SeqAttention(cache.alloc_slot(slot=11), 300, 700), SeqAttention(cache.alloc_slot(slot=10), 1, 1000)]
+    assert seqs[0].slot * spec.slot_tokens * layers * KV_HEADS * dim > 1 << 32
+    for s in seqs:
+        cache.ensure(s.slot, s.kv_len)
+    gen = torch.Generator().manual_seed(0)
+    fill(cache, seqs, gen, layers=[layers - 1])
+    q = torch.randn(sum(s.query_len for s in seqs), HEADS, dim, generator=gen).to(device="cuda", dtype=spec.dtype)
+    fast = run(cache, backend, seqs, q, "cuda", layers - 1)
+    assert relerr(fast, run(cache, "torch", seqs, q, "cuda", layers - 1)) < 1e-2
     cache.close()

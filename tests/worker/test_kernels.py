@@ -78,3 +78,19 @@ def test_rope_on_q_and_k_in_place_is_as_exact_as_the_reference(model, tokens):
         error = (got.double() - exact).abs()
         assert error.max() <= torch_error.max() and error.mean() <= torch_error.mean()
     assert torch.equal(qkv[:, (n_q + n_kv) * d:], original[:, (n_q + n_kv) * d:])  # v untouched
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 8192])
+def test_store_kv_writes_what_index_assignment_writes(tokens):
+    # k and v as the model hands them over (views of the fused projection's rows), into a layer's rows of a
+    # cache that holds several layers per row, at rows out of order
+    kv_heads, dim, layers, cache_rows = 8, 128, 4, 9000
+    qkv = torch.randn(tokens, (32 + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cuda")
+    k = qkv[:, 32 * dim: (32 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (32 + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    caches = [torch.zeros(cache_rows, layers, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    rows = torch.randperm(cache_rows, device="cuda")[:tokens]
+    kernels.store_kv(k, v, caches[0][:, 2], caches[1][:, 2], rows)
+    caches[2][:, 2][rows] = k
+    caches[3][:, 2][rows] = v
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

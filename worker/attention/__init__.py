@@ -11,6 +11,7 @@ from typing import Literal, Protocol
 import torch
 
 from worker.attention.metadata import AttentionMetadata, SeqAttention
+from worker.kernels import store_kv
 
 
 class AttentionBackend(Protocol):
@@ -22,8 +23,8 @@ class AttentionBackend(Protocol):
         """``q`` ``[tokens, H, D]`` against the cache rows of this step's sequences -> ``[tokens, H, D]``."""
 
 
-IN_PLACE = ("fa2", "flash_attn")  # CUDA kernels that read a virtual cache's slots where they are
-PAGED_KERNELS = ("flash_attn_paged",)  # CUDA kernels that read a paged cache's blocks through block tables
+IN_PLACE = ("fa2", "flash_attn", "flashinfer")  # CUDA kernels that read a virtual cache's slots where they are
+PAGED_KERNELS = ("flash_attn_paged", "flashinfer_paged")  # CUDA kernels that read a paged cache's blocks through block tables
 BACKENDS = ("torch", "paged", *IN_PLACE, *PAGED_KERNELS)
 
 
@@ -31,9 +32,12 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
     """``torch`` (reference, any device), ``paged`` (block tables: the reference gather on CPU, gather +
     FA2 on CUDA), ``fa2`` (FlashAttention-2 in torch over a virtual cache, CUDA), ``flash_attn`` (the
     flash-attn package's ``flash_attn_with_kvcache`` over a virtual cache, CUDA, when it is installed),
-    ``flash_attn_paged`` (the same package's block-table path over a paged cache of 256-token blocks)."""
+    ``flash_attn_paged`` (the same package's block-table path over a paged cache of 256-token blocks),
+    ``flashinfer`` / ``flashinfer_paged`` (FlashInfer's prefill kernel, FA3 on Hopper, over the virtual cache's
+    slots as pages / the paged cache's blocks; flash-attn's decode)."""
     from worker.attention.fa2 import FA2Attention, PagedGatherFA2
     from worker.attention.flash_attn_kvcache import FlashAttnKVCache, FlashAttnPaged
+    from worker.attention.flashinfer import FlashInferKVCache, FlashInferPaged
     from worker.attention.reference import ReferenceAttention
 
     cuda = torch.device(device).type == "cuda"
@@ -43,6 +47,8 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
         "fa2": FA2Attention,
         "flash_attn": FlashAttnKVCache,
         "flash_attn_paged": FlashAttnPaged,
+        "flashinfer": FlashInferKVCache,
+        "flashinfer_paged": FlashInferPaged,
     }
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
@@ -61,8 +67,7 @@ class AttentionStep:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_rows, v_rows = self.cache.rows(layer)
-        k_rows[self.meta.write_rows] = k
-        v_rows[self.meta.write_rows] = v
+        store_kv(k, v, k_rows, v_rows, self.meta.write_rows)
         return self.backend.forward(q, k_rows, v_rows, self.meta)
 
 

@@ -50,14 +50,19 @@ class _FlashAttn:
         out = torch.empty_like(q)
         if len(split.decode_rows):
             out[split.decode_rows] = self._decode(q[split.decode_rows], k_cache, v_cache, meta, split.decode_seqs)
-        out[split.prefill_rows] = self._prefill(q[split.prefill_rows], k_rows, v_rows, k_cache, v_cache, meta)
+        rows = split.prefill_rows
+        into = out[rows] if isinstance(rows, slice) else None  # one run of rows: a view a kernel can write into
+        prefill = self._prefill(q[rows], k_rows, v_rows, k_cache, v_cache, meta, into)
+        if prefill is not into:
+            out[rows] = prefill
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, seqs) -> torch.Tensor:
         """``q`` of the sequences ``seqs`` (indices into the step's per-sequence tensors) -> their output."""
 
-    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """``q`` of the step's prefill chunks (``meta.split``) -> their output."""
+    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta: AttentionMetadata, into: torch.Tensor | None) -> torch.Tensor:
+        """``q`` of the step's prefill chunks (``meta.split``) -> their output: ``into`` itself where it is given
+        and the kernel writes there, else a new tensor."""
 
 
 class FlashAttnKVCache(_FlashAttn):
@@ -75,7 +80,7 @@ class FlashAttnKVCache(_FlashAttn):
         return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=meta.seqused_k[seqs],
                              cache_batch_idx=meta.slots[seqs])[:, 0]
 
-    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta):
+    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta, into):
         split = meta.split
         seqs = split.prefill_seqs
         starts = meta.seq_starts[seqs]
@@ -100,7 +105,7 @@ class FlashAttnPaged(_FlashAttn):
         return self._kvcache(q[:, None], k_cache, v_cache, cache_seqlens=meta.seqused_k[seqs],
                              block_table=meta.block_tables[seqs])[:, 0]
 
-    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta):
+    def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta, into):
         split = meta.split
         seqs = split.prefill_seqs
         cu_k = torch.nn.functional.pad(meta.seqused_k[seqs].cumsum(0, dtype=torch.int32), (1, 0))

@@ -37,6 +37,7 @@ class AttentionMetadata:
     max_query_len: int
     max_kv_len: int
     block_tables: torch.Tensor | None = None  # [B, blocks] int32: each sequence's blocks (paged kernels only)
+    block_tables_host: torch.Tensor | None = None  # the same in host memory, for kernels planned on the host
 
     @classmethod
     def build(cls, seqs: list[SeqAttention], cache, device: torch.device, reads: str) -> "AttentionMetadata":
@@ -56,6 +57,7 @@ class AttentionMetadata:
                             torch.tensor(starts + [starts[-1] + max(s.kv_len for s in seqs)], dtype=torch.int32),
                             torch.tensor([0] + [s.slot for s in seqs], dtype=torch.int32), k_lens])
         cu_q, cu_k, seq_starts, slots, used = to_device(ints, device)  # one copy for the small ones
+        tables = cache.block_tables([s.slot for s in seqs]) if reads == "blocks" else None
         return cls(
             seqs=tuple(seqs),
             write_rows=to_device(torch.cat(write_rows), device),
@@ -68,7 +70,8 @@ class AttentionMetadata:
             slot_tokens=cache.block_size if reads == "blocks" else cache.spec.slot_tokens,
             max_query_len=max(s.query_len for s in seqs),
             max_kv_len=max(s.kv_len for s in seqs),
-            block_tables=to_device(cache.block_tables([s.slot for s in seqs]), device) if reads == "blocks" else None,
+            block_tables=to_device(tables, device) if tables is not None else None,
+            block_tables_host=tables,
         )
 
     @cached_property
