@@ -20,7 +20,7 @@ import torch
 from kvmem import KVCacheSpec
 from cluster.scheduler import SchedulerConfig
 from kvmem.ledger import PageLedger
-from worker.attention import IN_PLACE, PAGED_KERNELS
+from worker.attention import FLASHINFER_HEAD_DIMS, IN_PLACE, PAGED_KERNELS
 from worker.config import PRESETS, ModelConfig
 from worker.worker import WorkerConfig
 
@@ -122,10 +122,11 @@ class EnginePlan:
         return ledger
 
 
-def _fastest(layout: str) -> str:
-    """FlashInfer's prefill with flash-attn's decode where both packages import (W1 on the H100: 1.04-1.05x
-    flash-attn alone, bench/results/w1_flashinfer_h100.json), else flash-attn's kernels (1.08x torch's FA2,
-    w1_flash_attn_fused_h100.json), else torch's FA2 (a paged layout: gather + FA2); saying what is missing."""
+def _fastest(layout: str, head_dim: int) -> str:
+    """FlashInfer's prefill with flash-attn's decode where both packages import and FlashInfer has kernels for
+    the head size (W1 on the H100: 1.04-1.05x flash-attn alone, bench/results/w1_flashinfer_h100.json), else
+    flash-attn's kernels (1.08x torch's FA2, w1_flash_attn_fused_h100.json), else torch's FA2 (a paged layout:
+    gather + FA2); saying what is missing."""
     paged = layout == "paged"
     try:
         importlib.import_module("flash_attn")  # imports, not just found: a broken build falls back too
@@ -134,6 +135,8 @@ def _fastest(layout: str) -> str:
         logger.warning("flash-attn does not import (%s): attention runs on torch's FlashAttention-2 (%s), slower "
                        "(tools/build_flash_attn.py builds flash-attn's kernels)", exc, fallback)
         return fallback
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        return "flash_attn_paged" if paged else "flash_attn"
     try:
         importlib.import_module("flashinfer")
     except Exception as exc:
@@ -219,12 +222,15 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {config.dtype!r}")
     layout = config.kv_layout
-    attention = config.attention or (_fastest(layout) if device == "cuda" else "torch")
+    attention = config.attention or (_fastest(layout, model.head_dim) if device == "cuda" else "torch")
     if attention in IN_PLACE and (layout == "paged" or device != "cuda"):
         raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
     if attention in PAGED_KERNELS and (layout != "paged" or device != "cuda"):
         raise ValueError(f"attention {attention!r} needs the paged KV layout on CUDA")
     in_place = (*IN_PLACE, *PAGED_KERNELS)  # kernels that read the cache where it is (their reads fit a CUDA graph)
+    if attention.startswith("flashinfer") and model.head_dim not in FLASHINFER_HEAD_DIMS:
+        raise ValueError(f"attention {attention!r} has kernels for head_dim {' / '.join(map(str, FLASHINFER_HEAD_DIMS))}, "
+                         f"got {model.head_dim}")
     if attention in in_place and model.head_dim % 8:
         # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.
         raise ValueError(f"attention {attention!r} needs head_dim a multiple of 8, got {model.head_dim}")

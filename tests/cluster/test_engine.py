@@ -183,7 +183,8 @@ def test_the_default_attention_on_cuda_is_the_fastest_installed(caplog, layout, 
 
     from cluster.config import EngineConfig, plan
 
-    chosen = plan(EngineConfig("tiny", device="cuda", kv_layout=layout), PRESETS["tiny"], "cuda")  # plans only: no GPU needed
+    # plans only: no GPU needed. llama-3-8b's heads are 128 wide, a size FlashInfer has kernels for.
+    chosen = plan(EngineConfig("llama-3-8b", device="cuda", kv_layout=layout), PRESETS["llama-3-8b"], "cuda")
     flash_attn, flashinfer = (importlib.util.find_spec(name) is not None for name in ("flash_attn", "flashinfer"))
     if flash_attn and flashinfer:
         assert chosen.attention == fastest
@@ -193,9 +194,22 @@ def test_the_default_attention_on_cuda_is_the_fastest_installed(caplog, layout, 
     else:
         assert chosen.attention == fallback and "flash-attn does not import (No module named 'flash_attn'): attention " \
                                                 f"runs on torch's FlashAttention-2 ({fallback}), slower" in caplog.text
+    # tiny's heads are 32 wide: FlashInfer is passed over without a word
+    tiny = plan(EngineConfig("tiny", device="cuda", kv_layout=layout), PRESETS["tiny"], "cuda").attention
+    assert tiny == (middle if flash_attn else fallback)
     # flash-attn's paged decode reads blocks of 256 tokens; the gather path keeps vLLM's 16
     assert chosen.ledger_spec.page_size == (256 if chosen.attention.endswith("_paged") else 16 if layout == "paged" else 2 << 20)
     assert plan(EngineConfig("tiny", device="cuda", attention="fa2"), PRESETS["tiny"], "cuda").attention == "fa2"
+
+
+@pytest.mark.parametrize(("layout", "attention"), [("mega", "flashinfer"), ("paged", "flashinfer_paged")])
+def test_flashinfer_needs_heads_it_has_kernels_for(layout, attention):
+    from cluster.config import EngineConfig, plan
+
+    with pytest.raises(ValueError, match=f"attention '{attention}' has kernels for head_dim 64 / 128 / 256, got 32"):
+        plan(EngineConfig("tiny", device="cuda", kv_layout=layout, attention=attention), PRESETS["tiny"], "cuda")
+    assert plan(EngineConfig("llama-3-8b", device="cuda", kv_layout=layout, attention=attention), PRESETS["llama-3-8b"],
+                "cuda").attention == attention
 
 
 @pytest.mark.parametrize("attention", ["flash_attn_paged", "flashinfer_paged"])
@@ -203,10 +217,10 @@ def test_the_paged_kernels_need_the_paged_layout_and_blocks_of_256_tokens(attent
     from cluster.config import EngineConfig, plan
 
     with pytest.raises(ValueError, match=f"attention '{attention}' needs the paged KV layout on CUDA"):
-        plan(EngineConfig("tiny", device="cuda", attention=attention), PRESETS["tiny"], "cuda")
+        plan(EngineConfig("llama-3-8b", device="cuda", attention=attention), PRESETS["llama-3-8b"], "cuda")
     with pytest.raises(ValueError, match=f"attention '{attention}' reads blocks of a multiple of 256 tokens, got block_size=16"):
-        plan(EngineConfig("tiny", device="cuda", kv_layout="paged", attention=attention, block_size=16), PRESETS["tiny"], "cuda")
-    paged = plan(EngineConfig("tiny", device="cuda", kv_layout="paged", attention=attention), PRESETS["tiny"], "cuda")
+        plan(EngineConfig("llama-3-8b", device="cuda", kv_layout="paged", attention=attention, block_size=16), PRESETS["llama-3-8b"], "cuda")
+    paged = plan(EngineConfig("llama-3-8b", device="cuda", kv_layout="paged", attention=attention), PRESETS["llama-3-8b"], "cuda")
     assert paged.workers[0].graph_batch > 0  # its reads fit a CUDA graph too
     assert paged.ledger_spec.page_size == 256
 

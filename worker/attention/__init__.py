@@ -25,6 +25,7 @@ class AttentionBackend(Protocol):
 
 IN_PLACE = ("fa2", "flash_attn", "flashinfer")  # CUDA kernels that read a virtual cache's slots where they are
 PAGED_KERNELS = ("flash_attn_paged", "flashinfer_paged")  # CUDA kernels that read a paged cache's blocks through block tables
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's prefill kernels are built for (32 fails at run time)
 BACKENDS = ("torch", "paged", *IN_PLACE, *PAGED_KERNELS)
 
 
@@ -71,4 +72,4 @@ class AttentionStep:
         return self.backend.forward(q, k_rows, v_rows, self.meta)
 
 
-__all__ = ["BACKENDS", "IN_PLACE", "PAGED_KERNELS", "AttentionBackend", "AttentionMetadata", "AttentionStep", "SeqAttention", "get_backend"]
+__all__ = ["BACKENDS", "FLASHINFER_HEAD_DIMS", "IN_PLACE", "PAGED_KERNELS", "AttentionBackend", "AttentionMetadata", "AttentionStep", "SeqAttention", "get_backend"]
