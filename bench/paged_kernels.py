@@ -15,8 +15,9 @@ Runs (each where its package imports):
   * ``fa2 virtual``: torch's FA2 over the virtual cache (the engine's ``fa2`` backend);
   * ``flashinfer paged@16`` / ``@256``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` /
     ``BatchPrefillWithPagedKVCacheWrapper`` over the same paged cache's blocks;
-  * ``flashinfer virtual``: the same wrappers over the virtual cache, one page per slot (``slot_tokens`` tokens):
-    FlashInfer's kernels unmodified, reading each sequence contiguously.
+  * ``flashinfer virtual``: the same wrappers over the virtual cache, each slot's rows as consecutive 256-token
+    pages (the engine's ``flashinfer`` backend): FlashInfer's kernels unmodified, reading each sequence
+    contiguously. (``paged_kernels_flashinfer_virtual_h100.json`` was measured with one page per slot.)
 Times are medians of CUDA-event timings (GPU time of the calls; host work is outside).
 
     python bench/paged_kernels.py [--batches 1 16 64 128 256] [--contexts 1024 4096 16384 32768 65536]
@@ -42,6 +43,7 @@ import report  # noqa: E402
 from timing import time_ms  # noqa: E402
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec  # noqa: E402
 from worker.attention import AttentionMetadata, SeqAttention, get_backend  # noqa: E402
+from worker.attention.flashinfer import page_tokens  # noqa: E402
 from worker.config import PRESETS  # noqa: E402
 
 _LLAMA3 = PRESETS["llama-3-8b"]
@@ -96,16 +98,18 @@ def backend_ms(backend: str, cache: Cache, seqs: list[SeqAttention], iters: int)
 
 def flashinfer_ms(cache: Cache, seqs: list[SeqAttention], iters: int) -> float:
     """FlashInfer's paged wrappers over ``cache``'s blocks (decode when every query is one token). Over the virtual
-    cache, each slot is one page of ``slot_tokens`` tokens: the same kernels read it contiguously, unmodified."""
+    cache, a slot is consecutive pages of its rows: the same kernels read it contiguously, unmodified."""
     import flashinfer
 
     pc = cache.cache
     if isinstance(pc, PagedKVCache):
         bs, kv = pc.block_size, (pc.k(LAYER), pc.v(LAYER))  # [blocks, block_size, H, D], strided over the layers (NHD)
         tables = [pc.block_table(s.slot) for s in seqs]
-    else:
-        bs, kv = pc.spec.slot_tokens, (pc.k(LAYER), pc.v(LAYER))  # [slots, slot_tokens, H, D]
-        tables = [[s.slot] for s in seqs]
+    else:  # a slot's rows as consecutive pages, as the engine's flashinfer backend hands them over
+        bs = page_tokens(pc.spec.slot_tokens)
+        kv = tuple(rows.unflatten(0, (-1, bs)) for rows in pc.rows(LAYER))  # [slots * slot_tokens / bs, bs, H, D]
+        per_slot = pc.spec.slot_tokens // bs
+        tables = [[s.slot * per_slot + p for p in range(-(-s.kv_len // bs))] for s in seqs]
     as_int = dict(dtype=torch.int32, device="cuda")
     kv_indptr = torch.tensor([0] + [len(t) for t in tables], **as_int).cumsum(0, dtype=torch.int32)
     kv_indices = torch.tensor([b for t in tables for b in t], **as_int)

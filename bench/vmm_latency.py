@@ -53,6 +53,10 @@ def raw_calls(vmm: CudaVMM, page: int, n: int) -> dict:
         "map": timed(lambda i: check(cu.cuMemMap(va + i * page, page, 0, handles[i], 0), "cuMemMap"), n),
         "set_access": timed(lambda i: check(cu.cuMemSetAccess(va + i * page, page, desc, 1), "cuMemSetAccess"), n),
         "unmap": timed(lambda i: check(cu.cuMemUnmap(va + i * page, page), "cuMemUnmap"), n),
+        # the same handles a second time: what a first map pays once (a fresh allocation's first backing)
+        "map_again": timed(lambda i: check(cu.cuMemMap(va + i * page, page, 0, handles[i], 0), "cuMemMap"), n),
+        "set_access_again": timed(lambda i: check(cu.cuMemSetAccess(va + i * page, page, desc, 1), "cuMemSetAccess"), n),
+        "unmap_again": timed(lambda i: check(cu.cuMemUnmap(va + i * page, page), "cuMemUnmap"), n),
         "release": timed(lambda i: check(cu.cuMemRelease(handles[i]), "cuMemRelease"), n),
     }
     check(cu.cuMemAddressFree(va, page * n), "cuMemAddressFree")
