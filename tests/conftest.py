@@ -23,6 +23,16 @@ def cuda_missing() -> str | None:
     return None
 
 
+def needs_attention(name: str) -> None:
+    """Skip, saying why, where the GPU or the attention backend's packages are missing."""
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    if name.startswith("flash"):
+        pytest.importorskip("flash_attn")  # every flash* backend decodes on flash-attn
+    if name.startswith("flashinfer"):
+        pytest.importorskip("flashinfer")
+
+
 def make_vmm(backend: str):
     if backend == "host":
         return HostVMM()

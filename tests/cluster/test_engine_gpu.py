@@ -8,20 +8,11 @@ import pytest
 
 from cluster.engine import LLM
 from tests.cluster.conftest import NEW_TOKENS
-from tests.conftest import cuda_missing
+from tests.conftest import cuda_missing, needs_attention
 from worker.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-
-
-def needs(attention: str) -> None:
-    if cuda_missing():
-        pytest.skip(cuda_missing())
-    if attention.startswith("flash"):
-        pytest.importorskip("flash_attn")
-    if attention.startswith("flashinfer"):
-        pytest.importorskip("flashinfer")
 
 
 def generate(path: str, prompts: list[list[int]], layout: str, attention: str, graphs: bool) -> list[list[int]]:
@@ -38,7 +29,7 @@ def generate(path: str, prompts: list[list[int]], layout: str, attention: str, g
     ("paged", "flash_attn_paged", True), ("paged", "flash_attn_paged", False),
 ])
 def test_fast_paths_agree_with_the_reference_engine(hf_model, layout, attention, graphs):
-    needs(attention)
+    needs_attention(attention)
     agree_with_the_reference(hf_model, layout, attention, graphs)
 
 
@@ -46,7 +37,7 @@ def test_fast_paths_agree_with_the_reference_engine(hf_model, layout, attention,
     ("mega", "flashinfer", True), ("per_layer", "flashinfer", False), ("paged", "flashinfer_paged", True),
 ])
 def test_flashinfer_prefill_agrees_with_the_reference_engine(hf_llama128, layout, attention, graphs):
-    needs(attention)
+    needs_attention(attention)
     agree_with_the_reference(hf_llama128, layout, attention, graphs)
 
 
@@ -83,7 +74,7 @@ def test_async_scheduling_on_the_gpu_gives_the_sync_engines_outputs(hf_llama128,
     tokens read through pinned copies, slots freed and reused while a step is queued, CUDA graphs and eager
     mixed steps, seeded sampling, n > 1, logprobs. bf16 batches differ in composition between the two modes,
     so a near-tie may flip a token: the first tokens must match and nearly all the rest."""
-    needs(attention)
+    needs_attention(attention)
     model = hf_llama128[0] if attention.startswith("flashinfer") else "tiny"
     prompts = [list(range(5, 40)), list(range(100, 103)), list(range(200, 290)), [7, 8, 9, 10], list(range(270, 310))] * 2
     params = [

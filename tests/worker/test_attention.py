@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
-from tests.conftest import cuda_missing, make_vmm
+from tests.conftest import make_vmm, needs_attention
 from worker.attention import AttentionMetadata, SeqAttention, get_backend
 
 LAYERS, HEADS, KV_HEADS, DIM = 2, 8, 2, 64
@@ -101,16 +101,6 @@ def test_flashinfer_backends_say_how_to_get_the_package(name):
         get_backend(name, "cuda")
 
 
-def needs(backend: str) -> None:
-    """Skip where the GPU or the backend's package is missing."""
-    if cuda_missing():
-        pytest.skip(cuda_missing())
-    if backend.startswith("flash"):
-        pytest.importorskip("flash_attn")
-    if backend.startswith("flashinfer"):
-        pytest.importorskip("flashinfer")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["prefill", "chunked", "decode"])
 @pytest.mark.parametrize(("layout", "backend"), [("mega", "fa2"), ("per_layer", "fa2"), ("paged", "paged"),
@@ -118,7 +108,7 @@ def needs(backend: str) -> None:
                                                  ("paged", "flash_attn_paged"), ("mega", "flashinfer"),
                                                  ("per_layer", "flashinfer"), ("paged", "flashinfer_paged")])
 def test_fast_backends_agree_with_reference_on_gpu(layout, backend, case):
-    needs(backend)
+    needs_attention(backend)
     cache_kind = "paged" if layout == "paged" else "virtual"
     block = 256 if backend in ("flash_attn_paged", "flashinfer_paged") else 16
     # FlashInfer's kernels are compiled per head size: 128 is the one tools/gpu_flashinfer_wheels.sh prebuilds
@@ -135,7 +125,7 @@ def test_fast_backends_agree_with_reference_on_gpu(layout, backend, case):
 def test_in_place_kernels_read_slots_past_four_billion_elements(backend):
     """A mega cache whose last slots start past 2**32 elements of their buffer (16 GiB of bf16): kernels that
     keep offsets in 32 bits would read the wrong rows. Only the used slots' pages are mapped."""
-    needs(backend)
+    needs_attention(backend)
     layers, dim, max_tokens = 16, 128, 1 << 17  # a slot is 2**17 tokens x 16 layers x 2 heads x 128 = 2**29 elements
     spec = KVCacheSpec(layers, KV_HEADS, dim, torch.bfloat16, 12, max_tokens, "mega", 2 << 20)
     cache = VirtualKVCache(spec, 4 * spec.physical_bytes_for(1024), make_vmm("cuda"))
