@@ -36,9 +36,11 @@ def url():
 @pytest.fixture
 def busy(url):
     """Requests holding pages while the test looks: one long, and one of four samples sharing their prompt."""
-    stop, started = threading.Event(), threading.Event()
+    stop = threading.Event()
+    bodies = ({"prompt": "x" * 600, "max_tokens": 1400}, {"prompt": "y" * 400, "max_tokens": 1500, "n": 4})
+    started = [threading.Event() for _ in bodies]  # each request streaming: both hold their pages
 
-    def stream(body: dict) -> None:
+    def stream(body: dict, started: threading.Event) -> None:
         with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
                 "model": "tiny", "temperature": 1.0, "ignore_eos": True, "stream": True, **body}) as r:
             for _ in r.iter_lines():
@@ -46,11 +48,10 @@ def busy(url):
                 if stop.is_set():
                     return
 
-    threads = [threading.Thread(target=stream, args=(b,)) for b in (
-        {"prompt": "x" * 600, "max_tokens": 1400}, {"prompt": "y" * 400, "max_tokens": 1500, "n": 4})]
+    threads = [threading.Thread(target=stream, args=pair) for pair in zip(bodies, started)]
     for t in threads:
         t.start()
-    assert started.wait(60)
+    assert all(s.wait(60) for s in started)
     yield
     stop.set()
     for t in threads:
