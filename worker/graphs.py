@@ -8,12 +8,26 @@ number of rows. Padding rows read and write one token of a scratch slot.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep
 from worker.model import Transformer
 from worker.rope import rope_for
 from worker.staging import to_device
+
+logger = logging.getLogger(__name__)
+
+#: Batch sizes decode graphs are captured for; eager steps pad their logits' rows to them too.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+def padded_rows(n: int) -> int:
+    """The bucket ``n`` rows are padded to: the smallest of ``BATCH_BUCKETS`` that holds them, past the
+    largest a multiple of 128."""
+    return next((b for b in BATCH_BUCKETS if b >= n), -(-n // 128) * 128)
 
 
 class DecodeGraphs:
@@ -24,7 +38,7 @@ class DecodeGraphs:
         self.model, self.cache, self.backend, self.rope_table = model, cache, backend, rope_table
         self.dtype = next(model.parameters()).dtype
         self.device = rope_table.device
-        self.buckets = sorted({min(b, max_batch) for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)} | {max_batch})
+        self.buckets = sorted({min(b, max_batch) for b in BATCH_BUCKETS} | {max_batch})
         self.scratch = scratch
         # Rows: token, position, slot. Everything else the step needs follows from them on the device (and,
         # for a paged cache, from the block tables).
@@ -42,6 +56,8 @@ class DecodeGraphs:
     def logits(self, chunks, fill=None) -> torch.Tensor:
         """``[len(chunks), vocab]`` float32 logits of a decode step; ``fill``: a ``TokenFill`` of tokens still
         on the device."""
+        if not self.graphs:
+            self._capture_all()
         b = len(chunks)
         size = next(s for s in self.buckets if s >= b)
         pad = size - b
@@ -57,10 +73,21 @@ class DecodeGraphs:
             # Columns past a row's blocks keep stale ids, which the kernel never reads (it stops at the length).
             tables = self.cache.block_tables([c.slot for c in chunks] + [self.scratch] * pad)
             self.tables[:size, : tables.shape[1]].copy_(to_device(tables, self.device))
-        if size not in self.graphs:
-            self._capture(size)
         self.graphs[size].replay()
         return self.outputs[size][:b]
+
+    def _capture_all(self) -> None:
+        """Every bucket's graph at once, over padding rows only: a capture takes 40-150 ms (H100), which the
+        first steps of a batch size would otherwise wait for, mid-run."""
+        start = time.perf_counter()
+        rows = len(self.inputs[0])
+        self.inputs.copy_(torch.tensor([[0] * rows, [0] * rows, [self.scratch] * rows]))
+        if self.paged:
+            tables = self.cache.block_tables([self.scratch] * rows)
+            self.tables[:, : tables.shape[1]].copy_(tables)
+        for size in reversed(self.buckets):  # the largest first: smaller ones fit in its memory pool
+            self._capture(size)
+        logger.debug("captured %d decode graphs in %.0f ms", len(self.buckets), 1e3 * (time.perf_counter() - start))
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens, positions, slots = self.inputs[:, :size]

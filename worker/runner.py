@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep, SeqAttention
+from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
 from worker.rope import rope_cache, rope_for
 from worker.sampling import SampledToken, SamplingParams, draw
@@ -152,9 +153,19 @@ class ModelRunner:
                 raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
             if not (model.is_first and model.is_last) or scratch_slot is None:
                 raise ValueError("CUDA graphs need the whole model on one worker and a scratch slot")
-            from worker.graphs import DecodeGraphs
-
             self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot)
+        self._pads = self.device.type == "cuda" and model.is_last and samples
+        if self._pads:
+            self._warm_logits()
+
+    @torch.inference_mode()
+    def _warm_logits(self) -> None:
+        """The LM head once at each row count eager steps pad their logits to. cuBLAS chooses and loads a
+        kernel the first time it sees a shape: 0.24-0.32 s for each of six new row counts in a W1 run's first
+        engine on the H100, which held the host up while the GPU ran dry."""
+        h = torch.zeros(BATCH_BUCKETS[-1], self.model.config.hidden_size, dtype=self._dtype, device=self.device)
+        for rows in BATCH_BUCKETS:
+            self.model.logits(h[:rows])
 
     def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepOutput:
         """Run ``plan``; ``inputs`` are the previous pipeline stage's hidden states (none on the first)."""
@@ -189,7 +200,10 @@ class ModelRunner:
             logits = logits if len(wanted) == len(chunks) else logits[to_device(torch.tensor(wanted), self.device)]
         else:
             hidden = self._eager_hidden(chunks, inputs, plan.fill)
-            logits = self.model.logits(hidden[to_device(_ends(chunks)[list(wanted)], self.device)])
+            rows = _ends(chunks)[list(wanted)]
+            if self._pads:  # repeats of the last row up to a size _warm_logits has seen
+                rows = torch.cat([rows, rows[-1:].expand(padded_rows(len(rows)) - len(rows))])
+            logits = self.model.logits(hidden[to_device(rows, self.device)])[: len(wanted)]
         return self._sample(chunks, wanted, logits)
 
     def _eager_hidden(self, chunks: tuple[ScheduledChunk, ...], inputs: torch.Tensor | None, fill: TokenFill | None) -> torch.Tensor:

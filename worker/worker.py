@@ -7,6 +7,7 @@ inside a Ray actor.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -21,6 +22,8 @@ from worker.messages import PLACEHOLDER, NewSeq, StepInput, WorkerReport
 from worker.model import Transformer
 from worker.parallel import TPGroup
 from worker.runner import LaunchedStep, ModelRunner, ScheduledChunk, StepOutput, StepPlan, TokenFill
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ class Worker:
                     self._in_flight = None
                 # The scheduler sent only a plan that fits this pool: an error here means the ledger and this
                 # cache disagree, which the caller must treat as fatal for the worker group.
-                self.mapper.wait(pending.ahead)
+                if (waited := self.mapper.wait(pending.ahead)) and logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("step %d: %.3f ms stall waiting for the pages mapped ahead of it", pending.step, 1e3 * waited)
         finally:
             self._busy += time.perf_counter() - start
 
@@ -172,6 +176,7 @@ class Worker:
                 waited += time.perf_counter() - started
             if waited and not (prev is not None and prev.running):  # a step still running hid the wait
                 self.cache.add_stall(waited)
+                logger.debug("step %d: %.3f ms stall mapping in the step", step.step, 1e3 * waited)
             plan = self._plan(step, prev)
         except Exception as exc:  # e.g. KVCacheExhausted: this cache and the ledger disagree
             error = exc

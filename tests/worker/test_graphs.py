@@ -1,4 +1,4 @@
-"""CUDA-graph decode steps give the eager step's logits (GPU only)."""
+"""CUDA-graph decode steps give the eager step's logits (GPU); the row buckets they and eager logits share."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import torch
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
 from tests.conftest import cuda_missing, make_vmm
 from worker.attention import get_backend
+from worker.graphs import BATCH_BUCKETS, padded_rows
 from worker.loader import build_model
 from worker.runner import ModelRunner, ScheduledChunk, StepPlan
 from worker.sampling import SamplingParams
 
-pytestmark = pytest.mark.gpu
 TOP = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
 
 
@@ -28,6 +28,13 @@ def make_cache(backend: str, c):
     return VirtualKVCache(spec, 16 * spec.num_buffers * spec.page_size, make_vmm("cuda"))
 
 
+@pytest.mark.parametrize(("rows", "padded"), [(1, 1), (3, 4), (8, 8), (33, 48), (97, 128), (256, 256), (257, 384), (1000, 1024)])
+def test_padded_rows(rows, padded):
+    assert padded_rows(rows) == padded
+    assert padded in BATCH_BUCKETS or padded % 128 == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["fa2", "flash_attn", "flash_attn_paged"])
 @pytest.mark.parametrize("batch", [3, 5])
 def test_graph_replay_matches_eager_logits(batch, backend):
