@@ -12,6 +12,7 @@ step k ends (a stop token) wasted its step k+1 row; one that step k ends by leng
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -216,7 +217,9 @@ class EngineCore:
             sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1 or not s.num_samples),
             len(out.preempted),
         )
-        self._in_flight.append(InFlight(out, info, self.executor.submit(self._step_input(out))))
+        with _step_annotation(info):
+            pending = self.executor.submit(self._step_input(out))
+        self._in_flight.append(InFlight(out, info, pending))
         return True
 
     def _take_ended(self) -> list[RequestOutput]:
@@ -418,3 +421,13 @@ class EngineCore:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def _step_annotation(info: StepInfo):
+    """Under torch's profiler, a range around a step's launch named after what it runs, so that traces split into
+    steps (``bench/trace_breakdown.py``); nothing otherwise: the hot path pays one flag check."""
+    if not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    decode = info.num_tokens - info.num_prefill_tokens
+    return torch.profiler.record_function(
+        f"vattn_step_prefill({info.num_prefill_tokens})_decode({decode})_seqs({info.num_seqs})")

@@ -1,0 +1,355 @@
+"""vattn against vLLM on the same GPU: the same prompts through both engines' offline APIs, alternating, in one call.
+
+Each engine runs in its own process (vLLM's with ``PYTHONPATH=<vllm site>``, see ``peer_vllm.py``), one process per
+model shape, every workload of that shape ``--reps`` times after the same warm-up. The processes run in the
+order the sides are listed and then in reverse (ABBA; with two vLLM settings, ABCCBA), so drift of the machine
+lands on both. vLLM runs twice: with its defaults and with our batch settings (the same
+``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len`` and KV bytes); the better of the two is the
+peer. The floor is measured in the same call. Results of another call, or of other prompts, are refused.
+
+    python bench/peer.py run --vllm-site /tmp/vroot/site [--workloads w1 decode long] [--profile w1]
+    python bench/peer.py compare RESULT.json ...      # the check and the table, on saved side results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import report
+from peer_spec import PeerMismatch, SideResult, SideSpec, WorkloadRun, check_comparable, digest
+
+GiB = 1 << 30
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``requests`` prompts of random token ids, lengths uniform in [lo, hi], ``output`` tokens each (greedy,
+    EOS ignored), all submitted at once."""
+
+    model: str  # a preset
+    requests: int
+    lo: int
+    hi: int
+    output: int
+    about: str
+
+
+WORKLOADS = {
+    "w1": Workload("llama-3-8b", 128, 512, 2048, 128, "W1: 128 prompts of 512-2048 tokens, 128 out"),
+    "decode": Workload("llama-3-8b", 256, 256, 256, 1024, "decode-heavy: 256 prompts of 256 tokens, 1024 out"),
+    "long": Workload("qwen2.5-7b", 16, 8192, 32000, 128, "long context: 16 prompts of 8K-32K tokens, 128 out"),
+}
+
+
+def hf_config(preset: str) -> dict:
+    """A Hugging Face ``config.json`` of the preset's shape, for vLLM's dummy weights."""
+    from worker.config import PRESETS
+
+    c = PRESETS[preset]
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[c.model_type]
+    config = {
+        "architectures": [arch], "model_type": c.model_type, "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling, "tie_word_embeddings": c.tie_word_embeddings,
+        "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    }
+    if c.model_type == "qwen2":
+        config |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_layers}
+    else:
+        config["attention_bias"] = c.qkv_bias
+    return config
+
+
+# -- the vattn side ---------------------------------------------------------------------------------------------
+def run_vattn(spec: SideSpec, out: Path) -> None:
+    """One vattn engine process: the ``SideSpec``'s warm-up, rounds and profile (in-process engine)."""
+    import torch
+
+    from cluster.engine import LLM
+    from worker.sampling import SamplingParams
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sync()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+        return wall, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    start = time.perf_counter()
+    llm = LLM(spec.model, **spec.engine_args)
+    started = time.perf_counter() - start
+    resolved = {k: v for k, v in vars(llm.core.plan.config).items() if k not in ("model",)}
+    env = report.environment()
+    result = SideResult(
+        call_id=spec.call_id, engine="vattn", label=spec.label, device=env["device"], versions=env["versions"],
+        engine_args={"asked": spec.engine_args, "resolved": resolved | {"attention": llm.core.plan.attention}},
+        start_s=started,
+    )
+    with llm:
+        workloads = [(w, w.prompts()) for w in spec.workloads]
+        warm = workloads[0][1][: spec.warmup_prompts]
+        generate(llm, [p[: spec.warmup_tokens] for p in warm], 8)
+        for round_ in range(spec.reps):
+            for w, prompts in workloads:
+                before = llm.snapshot()
+                wall, tokens = generate(llm, prompts, w.output)
+                after = llm.snapshot()
+                stall = after.workers[0].stall_seconds - before.workers[0].stall_seconds
+                result.record(w.name, prompts, w.output, round_, wall, tokens, stall_s=stall,
+                              steps=after.num_steps - before.num_steps,
+                              preemptions=after.num_preemptions - before.num_preemptions)
+                print(f"{spec.label} {w.name} round {round_}: {wall:.3f} s (stall {stall:.3f} s)", flush=True)
+        if spec.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            prompts = dict((w.name, p) for w, p in workloads)[spec.profile]
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                generate(llm, prompts, spec.profile_tokens)
+            Path(spec.profile_dir).mkdir(parents=True, exist_ok=True)
+            trace = Path(spec.profile_dir) / f"vattn_{spec.profile}.pt.trace.json.gz"
+            prof.export_chrome_trace(str(trace))
+            result.profile_trace = str(trace)
+    result.write(out)
+
+
+# -- the orchestrator -------------------------------------------------------------------------------------------
+def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
+    """Prompts and model directories on disk; the side specs of each model shape, in the order they run."""
+    from throughput import random_prompts
+    from worker.config import PRESETS
+
+    groups: dict[str, list[str]] = {}
+    for name in args.workloads:
+        groups.setdefault(WORKLOADS[name].model, []).append(name)
+    specs: dict[str, list[SideSpec]] = {}
+    for preset, names in groups.items():
+        runs = []
+        for name in names:
+            w = WORKLOADS[name]
+            prompts = random_prompts(PRESETS[preset], w.requests, w.lo, w.hi, args.seed)
+            path = work / f"prompts_{name}.json"
+            path.write_text(json.dumps(prompts))
+            runs.append(WorkloadRun(name, str(path), w.output))
+        model_dir = work / f"model_{preset}"
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(hf_config(preset), indent=1))
+        ours = {
+            "max_num_seqs": max(WORKLOADS[n].requests for n in names),
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": max(WORKLOADS[n].hi + WORKLOADS[n].output for n in names),
+        }
+        kv = int(args.kv_memory_gib * GiB)
+        profile = args.profile if args.profile in names else None
+        common = dict(call_id=call_id, workloads=runs, reps=args.reps, profile_tokens=args.profile_tokens)
+        sides = {
+            "vattn": SideSpec(engine="vattn", label="vattn", model=preset, engine_args=ours | {
+                "kv_memory": kv, "device": "cuda", "dtype": "bfloat16"}, **common),
+            "vllm": SideSpec(engine="vllm", label="vllm", model=str(model_dir),
+                             engine_args=ours | {"kv_cache_memory_bytes": kv}, **common),
+            "vllm-defaults": SideSpec(engine="vllm", label="vllm-defaults", model=str(model_dir), engine_args={},
+                                      **common),
+        }
+        order = [sides[s] for s in args.sides] + [sides[s] for s in reversed(args.sides)]
+        if profile:  # one more process per engine, after the timed ones: profiling slows the host
+            order += [SideSpec(**{**vars(sides[s]), "reps": 0, "profile": profile,
+                                  "profile_dir": str(work / "profiles"), "label": f"{s}-profile"})
+                      for s in args.sides if s != "vllm-defaults"]
+        specs[preset] = order
+    return specs
+
+
+def launch(spec: SideSpec, work: Path, index: int, vllm_site: str, timeout: float) -> SideResult | None:
+    """Run one side in its own process; its result, or None (the failure is printed and the others go on)."""
+    spec_path, out = work / f"spec_{index}_{spec.label}.json", work / f"result_{index}_{spec.label}.json"
+    spec.write(spec_path)
+    env = dict(os.environ)
+    if spec.engine == "vllm":  # vLLM's own environment only: its site shadows packages, and it has its FlashInfer
+        script = HERE / "peer_vllm.py"
+        env = {k: v for k, v in env.items() if not k.startswith("FLASHINFER_")}
+        env["PYTHONPATH"] = os.pathsep.join([vllm_site, str(HERE)])
+    else:
+        script = Path(__file__)
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), *env.get("PYTHONPATH", "").split(os.pathsep)])
+    cmd = [sys.executable, str(script)] + (["side"] if spec.engine == "vattn" else []) + [str(spec_path), str(out)]
+    print(f"--- [{index}] {spec.label} ({spec.model})", flush=True)
+    start = time.perf_counter()
+    try:
+        subprocess.run(cmd, env=env, check=True, timeout=timeout)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        print(f"--- [{index}] {spec.label} FAILED: {exc}", flush=True)
+        return None
+    print(f"--- [{index}] {spec.label} took {time.perf_counter() - start:.0f} s", flush=True)
+    return SideResult.read(out)
+
+
+def floors(args, work: Path) -> dict:
+    """Ceilings and each workload's floor, measured in a process of their own (no engine holds the GPU)."""
+    out = work / "floor.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    subprocess.run([sys.executable, __file__, "floor", str(out), "--seed", str(args.seed), *args.workloads],
+                   env=env, check=True)
+    return json.loads(out.read_text())
+
+
+def measure_floor(out: Path, names: list[str], seed: int) -> None:
+    from throughput import ceilings, floor_seconds, random_prompts
+    from worker.config import PRESETS
+
+    ceil = ceilings()
+    result = {"ceilings": ceil, "floors": {}}
+    for name in names:
+        w = WORKLOADS[name]
+        prompts = random_prompts(PRESETS[w.model], w.requests, w.lo, w.hi, seed)
+        result["floors"][name] = floor_seconds(PRESETS[w.model], prompts, w.output, ceil) | {
+            "digest": digest(prompts, w.output)}
+    out.write_text(json.dumps(result))
+
+
+def compare(results: list[SideResult], floor: dict | None) -> tuple[list[str], list[list], dict]:
+    """The table and the ratios: per workload, each side's mean wall over all its rounds and processes, the
+    better vLLM setting as the peer, vattn / peer, and each against the floor."""
+    check_comparable(results)
+    walls: dict[tuple[str, str], list[float]] = {}
+    for r in results:
+        if r.label.endswith("-profile"):
+            continue
+        for run in r.runs:
+            walls.setdefault((run["workload"], r.label), []).append(run["wall_s"])
+    labels = [lab for lab in dict.fromkeys(r.label for r in results) if not lab.endswith("-profile")]
+    headers = ["workload"] + [f"{lab} s" for lab in labels] + ["vattn / best vLLM", "floor s", "vattn x floor",
+                                                                "vLLM x floor"]
+    rows, ratios = [], {}
+    for name in dict.fromkeys(run["workload"] for r in results for run in r.runs):
+        means = {lab: statistics.mean(walls[(name, lab)]) for lab in labels if (name, lab) in walls}
+        peers = {lab: t for lab, t in means.items() if lab.startswith("vllm")}
+        f = floor["floors"].get(name) if floor else None
+        if f and f["digest"] != next(r.digests[name] for r in results if name in r.digests):
+            raise PeerMismatch(f"workload {name}: the floor was measured on other prompts")
+        best = min(peers.values()) if peers else None
+        ratio = means["vattn"] / best if best and "vattn" in means else None
+        ratios[name] = {"vattn_over_vllm": ratio, "means_s": means, "walls_s": {lab: walls[(name, lab)] for lab in means},
+                        "best_vllm": min(peers, key=peers.get) if peers else None}
+        fl = f["total_s"] if f else None
+        rows.append([name] + [means.get(lab) for lab in labels] + [
+            ratio, fl, means["vattn"] / fl if fl and "vattn" in means else None, best / fl if fl and best else None])
+    return headers, rows, ratios
+
+
+def breakdowns(results: list[SideResult], requests: int) -> dict:
+    """Per profiled engine: the mean prefill step (>= 4096 prefill tokens) and full decode step by category."""
+    import re
+
+    import trace_breakdown as tb
+
+    def kind(name: str) -> str | None:
+        m = re.search(r"prefill\((\d+)\)_decode\((\d+)\)", name) or re.search(
+            r"context_\d+\((\d+)\)_generation_\d+\((\d+)\)", name)
+        if not m:
+            return None
+        prefill, decode = map(int, m.groups())
+        return "prefill" if prefill >= 4096 else "decode" if prefill == 0 and decode == requests else None
+
+    out = {}
+    for r in results:
+        if not r.profile_trace:
+            continue
+        found = tb.steps(tb.load(Path(r.profile_trace)), r"^(execute_context_|vattn_step_)")
+        out[r.label] = {k: tb.summarize([s for s in found if kind(s.name) == k]) for k in ("prefill", "decode")}
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="both engines on the workloads, alternating, in this call")
+    run.add_argument("--workloads", nargs="+", default=["w1"], choices=sorted(WORKLOADS))
+    run.add_argument("--sides", nargs="+", default=["vattn", "vllm", "vllm-defaults"],
+                     choices=["vattn", "vllm", "vllm-defaults"])
+    run.add_argument("--vllm-site", default="/tmp/vroot/site", help="vLLM's install (the bundle's PYTHONPATH)")
+    run.add_argument("--reps", type=int, default=2, help="timed rounds per process")
+    run.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    run.add_argument("--kv-memory-gib", type=float, default=40)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--profile", choices=sorted(WORKLOADS), help="profile this workload in both engines, after")
+    run.add_argument("--profile-tokens", type=int, default=32)
+    run.add_argument("--timeout", type=float, default=900, help="seconds per engine process")
+    run.add_argument("--work", type=Path, default=Path("/tmp/vattn_peer"))
+    run.add_argument("--name", default="peer")
+    run.add_argument("--out", type=Path, default=report.RESULTS)
+    cmp_ = sub.add_parser("compare", help="check and tabulate saved side results")
+    cmp_.add_argument("results", nargs="+", type=Path)
+    side = sub.add_parser("side", help="(internal) one vattn engine process")
+    side.add_argument("spec", type=Path)
+    side.add_argument("result", type=Path)
+    fl = sub.add_parser("floor", help="(internal) ceilings and floors")
+    fl.add_argument("out", type=Path)
+    fl.add_argument("--seed", type=int, default=0)
+    fl.add_argument("workloads", nargs="+")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.cmd == "side":
+        return run_vattn(SideSpec.read(args.spec), args.result)
+    if args.cmd == "floor":
+        return measure_floor(args.out, args.workloads, args.seed)
+    if args.cmd == "compare":
+        headers, rows, _ = compare([SideResult.read(p) for p in args.results], None)
+        return print(report.tabulate(rows, headers=headers, floatfmt=".3f"))
+    call_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    args.work.mkdir(parents=True, exist_ok=True)
+    floor = floors(args, args.work)
+    results, index = [], 0
+    for preset, specs in prepare(args, call_id, args.work).items():
+        for spec in specs:
+            r = launch(spec, args.work, index, args.vllm_site, args.timeout)
+            index += 1
+            if r is not None:
+                results.append(r)
+    headers, rows, ratios = compare(results, floor)
+    data = {"call_id": call_id, "workloads": {n: vars(WORKLOADS[n]) for n in args.workloads}, "floor": floor,
+            "ratios": ratios, "breakdown": breakdowns(results, WORKLOADS[args.profile].requests) if args.profile else {},
+            "sides": [vars(r) for r in results]}
+    report.write(args.name, headers, rows, data, args.out)
+    plot(rows, headers, args.out / f"{args.name}.png")
+
+
+def plot(rows: list[list], headers: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = [h[:-2] for h in headers[1:] if h.endswith(" s") and h != "floor s"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / (len(sides) + 1)
+    for i, side in enumerate(sides + ["floor"]):
+        col = headers.index(f"{side} s")
+        ys = [r[col] / r[headers.index("floor s")] if r[col] and r[headers.index("floor s")] else 0 for r in rows]
+        ax.bar([j + i * width for j in range(len(rows))], ys, width, label=side)
+    ax.set_xticks([j + width * len(sides) / 2 for j in range(len(rows))], [r[0] for r in rows])
+    ax.set_ylabel("wall / roofline floor (lower is better)")
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

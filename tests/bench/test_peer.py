@@ -1,0 +1,120 @@
+"""bench/peer.py, the side-by-side harness against vLLM: its refusal to compare what was not measured together, and
+its vattn side end to end on the CPU (vLLM itself runs only on the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import peer  # noqa: E402
+import trace_breakdown  # noqa: E402
+from peer_spec import PeerMismatch, SideResult, SideSpec, WorkloadRun, check_comparable, digest  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def side(label: str, call_id: str = "call-1", device: str = "H100", prompts=PROMPTS, wall: float = 1.0) -> SideResult:
+    r = SideResult(call_id=call_id, engine=label.split("-")[0], label=label, device=device, versions={}, engine_args={})
+    r.record("w1", prompts, 4, 0, wall, len(prompts) * 4)
+    return r
+
+
+def test_results_of_one_call_compare_into_ratios():
+    headers, rows, ratios = peer.compare([side("vattn", wall=0.9), side("vllm", wall=1.0),
+                                          side("vllm-defaults", wall=1.2), side("vattn", wall=1.1)], None)
+    assert headers[:4] == ["workload", "vattn s", "vllm s", "vllm-defaults s"]
+    assert rows[0][:4] == ["w1", 1.0, 1.0, 1.2]
+    assert ratios["w1"]["best_vllm"] == "vllm" and ratios["w1"]["vattn_over_vllm"] == pytest.approx(1.0)
+
+
+def test_results_of_different_calls_are_refused():
+    with pytest.raises(PeerMismatch, match="comes from call call-2, vattn from call call-1: numbers from different calls"):
+        check_comparable([side("vattn"), side("vllm", call_id="call-2")])
+
+
+def test_results_of_different_prompts_are_refused():
+    other = [p[:-1] for p in PROMPTS]
+    with pytest.raises(PeerMismatch, match=f"workload w1: vllm ran prompts {digest(other, 4)}, vattn ran "
+                                           f"{digest(PROMPTS, 4)}: not the same prompts"):
+        check_comparable([side("vattn"), side("vllm", prompts=other)])
+
+
+def test_results_of_different_devices_and_lone_results_are_refused():
+    with pytest.raises(PeerMismatch, match="vllm ran on 'H200', vattn on 'H100'"):
+        check_comparable([side("vattn"), side("vllm", device="H200")])
+    with pytest.raises(PeerMismatch, match="a comparison needs two results or more, got 1"):
+        check_comparable([side("vattn")])
+
+
+def test_a_floor_of_other_prompts_is_refused():
+    floor = {"floors": {"w1": {"total_s": 0.5, "digest": digest(PROMPTS[:2], 4)}}}
+    with pytest.raises(PeerMismatch, match="workload w1: the floor was measured on other prompts"):
+        peer.compare([side("vattn"), side("vllm")], floor)
+
+
+def test_a_run_short_of_its_tokens_is_an_error():
+    r = SideResult(call_id="c", engine="vllm", label="vllm", device="d", versions={}, engine_args={})
+    with pytest.raises(RuntimeError, match="vllm: w1 produced 11 output tokens, expected 12"):
+        r.record("w1", PROMPTS, 4, 0, 1.0, 11)
+
+
+def test_hf_config_describes_the_preset():
+    from worker.config import ModelConfig, PRESETS
+
+    for preset in ("llama-3-8b", "qwen2.5-7b"):
+        assert ModelConfig.from_hf(peer.hf_config(preset)) == replace(PRESETS[preset], bos_token_id=1, eos_token_ids=(2,))
+
+
+def test_vattn_side_runs_rounds_and_a_profile_split_into_steps(tmp_path):
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(PROMPTS))
+    spec = SideSpec(call_id="c", engine="vattn", label="vattn", model="tiny",
+                    engine_args={"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 8,
+                                 "kv_memory": 1 << 24, "max_model_len": 64},
+                    workloads=[WorkloadRun("w1", str(prompts_file), 5)], warmup_tokens=4, reps=2, profile="w1",
+                    profile_dir=str(tmp_path / "profiles"), profile_tokens=6)
+    peer.run_vattn(spec, tmp_path / "result.json")
+    result = SideResult.read(tmp_path / "result.json")
+    assert [(r["workload"], r["round"], r["output_tokens"]) for r in result.runs] == [("w1", 0, 15), ("w1", 1, 15)]
+    assert result.digests == {"w1": digest(PROMPTS, 5)}
+    assert result.engine_args["resolved"]["max_num_batched_tokens"] == 8
+    names = [s.name for s in trace_breakdown.steps(trace_breakdown.load(Path(result.profile_trace)), "^vattn_step_")]
+    # 17 prompt tokens in chunks of at most 8, then decode steps of the three sequences
+    assert names[0] == "vattn_step_prefill(8)_decode(0)_seqs(2)"
+    assert "vattn_step_prefill(0)_decode(3)_seqs(3)" in names
+
+
+def test_kernels_are_put_in_categories():
+    assert trace_breakdown.category("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "matmul"
+    assert trace_breakdown.category("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
+    assert trace_breakdown.category("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...gemm...>>") == "attention"
+    assert trace_breakdown.category("_rms_norm_kernel") == "norm"
+    assert trace_breakdown.category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "norm"
+    assert trace_breakdown.category("triton_poi_fused_cat_index_select_mul_2") == "fused elementwise"
+    assert trace_breakdown.category("triton_poi_fused_rms_norm_1") == "norm"
+    assert trace_breakdown.category("void vllm::act_and_mul_kernel<silu>") == "activation"
+    assert trace_breakdown.category("void vllm::reshape_and_cache_flash_kernel<>") == "kv write"
+
+
+def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):
+    args = peer.build_parser().parse_args(["run", "--workloads", "w1", "long", "--profile", "w1"])
+    specs = peer.prepare(args, "call-1", tmp_path)
+    w1 = specs["llama-3-8b"]
+    assert [s.label for s in w1] == ["vattn", "vllm", "vllm-defaults", "vllm-defaults", "vllm", "vattn",
+                                     "vattn-profile", "vllm-profile"]
+    vattn, vllm, defaults = w1[:3]
+    shared = {"max_num_seqs": 128, "max_num_batched_tokens": 8192, "max_model_len": 2048 + 128}
+    assert vattn.engine_args == shared | {"kv_memory": 40 << 30, "device": "cuda", "dtype": "bfloat16"}
+    assert vllm.engine_args == shared | {"kv_cache_memory_bytes": 40 << 30} and defaults.engine_args == {}
+    assert vattn.workloads == vllm.workloads and w1[-1].profile == "w1" and w1[-1].reps == 0
+    assert json.loads((Path(vllm.model) / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    long = specs["qwen2.5-7b"]
+    assert [s.profile for s in long] == [None] * 6 and long[0].engine_args["max_model_len"] == 32000 + 128
+    prompts = long[0].workloads[0].prompts()
+    assert len(prompts) == 16 and all(8192 <= len(p) <= 32000 for p in prompts)
