@@ -80,7 +80,7 @@ def steps(events: list[dict], match: str) -> list[Step]:
     found = [Step(e["name"], float(e["ts"]), float(e["dur"])) for e in marks]
     starts = [s.start_us for s in found]
     launch_ts = {e["args"]["correlation"]: (float(e["ts"]), e.get("name", "")) for e in events
-                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     spans: dict[int, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("cat") != "kernel" or e.get("ph") != "X":
