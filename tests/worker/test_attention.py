@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
-from tests.conftest import make_vmm, needs_attention
+from tests.conftest import cuda_missing, make_vmm, needs_attention
 from worker.attention import AttentionMetadata, SeqAttention, get_backend
 
 LAYERS, HEADS, KV_HEADS, DIM = 2, 8, 2, 64
@@ -139,3 +139,29 @@ def test_in_place_kernels_read_slots_past_four_billion_elements(backend):
     fast = run(cache, backend, seqs, q, "cuda", layers - 1)
     assert relerr(fast, run(cache, "torch", seqs, q, "cuda", layers - 1)) < 1e-2
     cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv_heads"), [(32, 8), (28, 4)])
+def test_triton_split_kv_decode_agrees_with_float32_reference(heads, kv_heads):
+    """``worker/attention/triton_decode.py`` over a strided (mega) layer view: lengths of one token, of a split's
+    edge and past several splits, slots out of order."""
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    from worker.attention.triton_decode import decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    slots_, tokens, dim = 6, 1536, 128
+    k_all, v_all = (torch.randn(slots_, tokens, 3, kv_heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+    k, v = k_all[:, :, 1], v_all[:, :, 1]
+    lengths = [1, 255, 256, 257, 1000, 1536]
+    slots = [5, 0, 3, 1, 4, 2]
+    q = torch.randn(len(lengths), heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    out = decode_attention(q, k, v, torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+                           torch.tensor(slots, dtype=torch.int32, device="cuda"), split=256)
+    for i, (n, s) in enumerate(zip(lengths, slots)):
+        keys = k[s, :n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        values = v[s, :n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        ref = (((q[i].float()[:, None] @ keys.transpose(1, 2)) / dim**0.5).softmax(-1) @ values)[:, 0]
+        assert relerr(out[i].float(), ref) < 1e-2, (n, s)
