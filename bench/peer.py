@@ -42,12 +42,18 @@ class Workload:
     hi: int
     output: int
     about: str
+    kv_memory_gib: float | None = None  # both engines' KV bytes (default: --kv-memory-gib)
+    stepwise: bool = False  # count the requests running in each step (WorkloadRun.stepwise)
 
 
 WORKLOADS = {
     "w1": Workload("llama-3-8b", 128, 512, 2048, 128, "W1: 128 prompts of 512-2048 tokens, 128 out"),
     "decode": Workload("llama-3-8b", 256, 256, 256, 1024, "decode-heavy: 256 prompts of 256 tokens, 1024 out"),
     "long": Workload("qwen2.5-7b", 16, 8192, 32000, 128, "long context: 16 prompts of 8K-32K tokens, 128 out"),
+    # KV memory is the limit: 256 W1-like requests against 8 GiB of KV (65,536 tokens in either engine), so how
+    # many run at once is decided by how each engine spends its KV bytes.
+    "memory": Workload("llama-3-8b", 256, 512, 2048, 128, "memory-bound: 256 prompts of 512-2048 tokens, 128 out, "
+                       "8 GiB of KV", kv_memory_gib=8, stepwise=True),
 }
 
 
@@ -90,6 +96,22 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
         wall = time.perf_counter() - start
         return wall, sum(len(o.outputs[0].token_ids) for o in outputs)
 
+    def stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[int]]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sync()
+        start = time.perf_counter()
+        for p in prompts:
+            llm.add_request(p, params)
+        counts, lengths = [], {}
+        while llm.core.has_work:
+            gained = 0
+            for o in llm.step():
+                n = len(o.outputs[0].token_ids)
+                gained += n > lengths.get(o.request_id, 0)
+                lengths[o.request_id] = n
+            counts.append(gained)
+        return time.perf_counter() - start, sum(lengths.values()), counts
+
     start = time.perf_counter()
     llm = LLM(spec.model, **spec.engine_args)
     started = time.perf_counter() - start
@@ -107,12 +129,16 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
         for round_ in range(spec.reps):
             for w, prompts in workloads:
                 before = llm.snapshot()
-                wall, tokens = generate(llm, prompts, w.output)
+                extra = {}
+                if w.stepwise:
+                    wall, tokens, extra["running"] = stepwise(llm, prompts, w.output)
+                else:
+                    wall, tokens = generate(llm, prompts, w.output)
                 after = llm.snapshot()
                 stall = after.workers[0].stall_seconds - before.workers[0].stall_seconds
                 result.record(w.name, prompts, w.output, round_, wall, tokens, stall_s=stall,
                               steps=after.num_steps - before.num_steps,
-                              preemptions=after.num_preemptions - before.num_preemptions)
+                              preemptions=after.num_preemptions - before.num_preemptions, **extra)
                 print(f"{spec.label} {w.name} round {round_}: {wall:.3f} s (stall {stall:.3f} s)", flush=True)
         if spec.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -133,18 +159,19 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
     from throughput import random_prompts
     from worker.config import PRESETS
 
-    groups: dict[str, list[str]] = {}
+    groups: dict[tuple[str, float], list[str]] = {}  # one engine process per model and KV budget
     for name in args.workloads:
-        groups.setdefault(WORKLOADS[name].model, []).append(name)
+        w = WORKLOADS[name]
+        groups.setdefault((w.model, w.kv_memory_gib or args.kv_memory_gib), []).append(name)
     specs: dict[str, list[SideSpec]] = {}
-    for preset, names in groups.items():
+    for (preset, kv_gib), names in groups.items():
         runs = []
         for name in names:
             w = WORKLOADS[name]
             prompts = random_prompts(PRESETS[preset], w.requests, w.lo, w.hi, args.seed)
             path = work / f"prompts_{name}.json"
             path.write_text(json.dumps(prompts))
-            runs.append(WorkloadRun(name, str(path), w.output))
+            runs.append(WorkloadRun(name, str(path), w.output, w.stepwise))
         model_dir = work / f"model_{preset}"
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(hf_config(preset), indent=1))
@@ -153,7 +180,8 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": max(WORKLOADS[n].hi + WORKLOADS[n].output for n in names),
         }
-        kv = int(args.kv_memory_gib * GiB)
+        kv = int(kv_gib * GiB)
+        budgeted = any(WORKLOADS[n].kv_memory_gib for n in names)
         profile = args.profile if args.profile in names else None
         common = dict(call_id=call_id, workloads=runs, reps=args.reps, profile_tokens=args.profile_tokens)
         sides = {
@@ -161,15 +189,16 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
                 "kv_memory": kv, "device": "cuda", "dtype": "bfloat16"}, **common),
             "vllm": SideSpec(engine="vllm", label="vllm", model=str(model_dir),
                              engine_args=ours | {"kv_cache_memory_bytes": kv}, **common),
-            "vllm-defaults": SideSpec(engine="vllm", label="vllm-defaults", model=str(model_dir), engine_args={},
-                                      **common),
+            # its defaults, but for the KV bytes where they are what the workload compares
+            "vllm-defaults": SideSpec(engine="vllm", label="vllm-defaults", model=str(model_dir), **common,
+                                      engine_args={"kv_cache_memory_bytes": kv} if budgeted else {}),
         }
         order = [sides[s] for s in args.sides] + [sides[s] for s in reversed(args.sides)]
         if profile:  # one more process per engine, after the timed ones: profiling slows the host
             order += [SideSpec(**{**vars(sides[s]), "reps": 0, "profile": profile,
                                   "profile_dir": str(work / "profiles"), "label": f"{s}-profile"})
                       for s in args.sides if s != "vllm-defaults"]
-        specs[preset] = order
+        specs[f"{preset} {kv_gib:g} GiB"] = order
     return specs
 
 
@@ -250,6 +279,31 @@ def compare(results: list[SideResult], floor: dict | None) -> tuple[list[str], l
     return headers, rows, ratios
 
 
+def concurrency(results: list[SideResult]) -> dict:
+    """For stepwise workloads, per side: the most requests that gained a token in one step, and the median over
+    the middle half of the steps (ramp-up and drain left out), mean over the side's rounds; and vattn's over the
+    better vLLM setting's."""
+    out: dict[str, dict] = {}
+    for r in results:
+        for run in r.runs:
+            counts = run.get("running")
+            if not counts:
+                continue
+            middle = sorted(counts[len(counts) // 4: 3 * len(counts) // 4]) or counts
+            side = out.setdefault(run["workload"], {}).setdefault(r.label, {"peak": [], "steady": [], "preemptions": []})
+            side["peak"].append(max(counts))
+            side["steady"].append(middle[len(middle) // 2])
+            if "preemptions" in run:
+                side["preemptions"].append(run["preemptions"])
+    for sides in out.values():
+        for label, side in sides.items():
+            sides[label] = {k: statistics.mean(v) if v else None for k, v in side.items()} | {"raw": side}
+        peers = [v for k, v in sides.items() if k.startswith("vllm")]
+        if peers and "vattn" in sides:
+            sides["vattn_over_vllm"] = {k: sides["vattn"][k] / max(p[k] for p in peers) for k in ("peak", "steady")}
+    return out
+
+
 def breakdowns(results: list[SideResult], requests: int) -> dict:
     """Per profiled engine: the mean prefill step (>= 4096 prefill tokens) and full decode step by category."""
     import re
@@ -323,8 +377,12 @@ def main() -> None:
             if r is not None:
                 results.append(r)
     headers, rows, ratios = compare(results, floor)
+    running = concurrency(results)
+    for name, sides in running.items():
+        print(f"{name}: requests running at once, peak / steady: " + ", ".join(
+            f"{k} {v['peak']:.1f} / {v['steady']:.1f}" for k, v in sides.items()))
     data = {"call_id": call_id, "workloads": {n: vars(WORKLOADS[n]) for n in args.workloads}, "floor": floor,
-            "ratios": ratios, "breakdown": breakdowns(results, WORKLOADS[args.profile].requests) if args.profile else {},
+            "ratios": ratios, "concurrency": running, "breakdown": breakdowns(results, WORKLOADS[args.profile].requests) if args.profile else {},
             "sides": [vars(r) for r in results]}
     report.write(args.name, headers, rows, data, args.out)
     plot(rows, headers, args.out / f"{args.name}.png")

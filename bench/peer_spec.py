@@ -28,6 +28,9 @@ class WorkloadRun:
     name: str
     prompts_file: str
     output: int
+    # Driven one engine step at a time, counting the requests that gained a token in each step: how many run
+    # at once (the memory-bound workload). Otherwise one ``generate`` call.
+    stepwise: bool = False
 
     def prompts(self) -> list[list[int]]:
         return json.loads(Path(self.prompts_file).read_text())

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import vllm
 from vllm import LLM, SamplingParams
+from vllm.sampling_params import RequestOutputKind
 from vllm.inputs import TokensPrompt
 
 from peer_spec import SideResult, SideSpec
@@ -34,6 +35,25 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float
     outputs = llm.generate(inputs, params, use_tqdm=False)
     wall = time.perf_counter() - start
     return wall, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[int]]:
+    """Wall seconds, output tokens and, per engine step, the requests that gained a token: the prompts run
+    through the engine's own step loop (``LLM.generate`` runs the same loop), from a cold prefix cache."""
+    llm.reset_prefix_cache()
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+    counts, tokens = [], 0
+    while engine.has_unfinished_requests():
+        gained = [o for o in engine.step() if o.outputs and o.outputs[0].token_ids]
+        counts.append(len(gained))
+        tokens += sum(len(o.outputs[0].token_ids) for o in gained)
+    return time.perf_counter() - start, tokens, counts
 
 
 def resolved_args(llm: LLM) -> dict:
@@ -77,8 +97,12 @@ def main() -> None:
     generate(llm, [p[: spec.warmup_tokens] for p in warm], 8)  # the same warm-up vattn gets
     for round_ in range(spec.reps):
         for w, prompts in workloads:
-            wall, tokens = generate(llm, prompts, w.output)
-            result.record(w.name, prompts, w.output, round_, wall, tokens)
+            if w.stepwise:
+                wall, tokens, counts = stepwise(llm, prompts, w.output)
+                result.record(w.name, prompts, w.output, round_, wall, tokens, running=counts)
+            else:
+                wall, tokens = generate(llm, prompts, w.output)
+                result.record(w.name, prompts, w.output, round_, wall, tokens)
             print(f"{spec.label} {w.name} round {round_}: {wall:.3f} s", flush=True)
     if spec.profile:
         prompts = dict((w.name, p) for w, p in workloads)[spec.profile]

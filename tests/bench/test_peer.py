@@ -105,7 +105,7 @@ def test_kernels_are_put_in_categories():
 def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):
     args = peer.build_parser().parse_args(["run", "--workloads", "w1", "long", "--profile", "w1"])
     specs = peer.prepare(args, "call-1", tmp_path)
-    w1 = specs["llama-3-8b"]
+    w1 = specs["llama-3-8b 40 GiB"]
     assert [s.label for s in w1] == ["vattn", "vllm", "vllm-defaults", "vllm-defaults", "vllm", "vattn",
                                      "vattn-profile", "vllm-profile"]
     vattn, vllm, defaults = w1[:3]
@@ -114,7 +114,40 @@ def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):
     assert vllm.engine_args == shared | {"kv_cache_memory_bytes": 40 << 30} and defaults.engine_args == {}
     assert vattn.workloads == vllm.workloads and w1[-1].profile == "w1" and w1[-1].reps == 0
     assert json.loads((Path(vllm.model) / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-    long = specs["qwen2.5-7b"]
+    long = specs["qwen2.5-7b 40 GiB"]
     assert [s.profile for s in long] == [None] * 6 and long[0].engine_args["max_model_len"] == 32000 + 128
     prompts = long[0].workloads[0].prompts()
     assert len(prompts) == 16 and all(8192 <= len(p) <= 32000 for p in prompts)
+
+
+def test_the_memory_workload_gives_both_vllm_settings_the_same_kv_bytes(tmp_path):
+    specs = peer.prepare(peer.build_parser().parse_args(["run", "--workloads", "memory"]), "call-1", tmp_path)
+    vattn, vllm, defaults = specs["llama-3-8b 8 GiB"][:3]
+    assert vattn.engine_args["kv_memory"] == vllm.engine_args["kv_cache_memory_bytes"] == 8 << 30
+    assert defaults.engine_args == {"kv_cache_memory_bytes": 8 << 30}
+    assert vattn.workloads[0].stepwise and vattn.engine_args["max_num_seqs"] == 256
+
+
+def test_concurrency_is_the_peak_and_the_median_of_the_middle_steps():
+    def stepped(label, counts, preemptions=None):
+        r = side(label)
+        r.runs[0].update(running=counts, **({"preemptions": preemptions} if preemptions is not None else {}))
+        return r
+
+    running = peer.concurrency([stepped("vattn", [1, 4, 6, 6, 5, 6, 2, 1], 3), stepped("vllm", [2, 5, 5, 4, 5, 4, 3, 1])])
+    assert running["w1"]["vattn"]["peak"] == 6 and running["w1"]["vattn"]["steady"] == 6  # middle: 6 6 5 6
+    assert running["w1"]["vllm"]["steady"] == 5 and running["w1"]["vattn"]["preemptions"] == 3
+    assert running["w1"]["vattn_over_vllm"] == {"peak": 6 / 5, "steady": 6 / 5}
+
+
+def test_vattn_side_counts_the_requests_running_in_each_step(tmp_path):
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(PROMPTS))
+    spec = SideSpec(call_id="c", engine="vattn", label="vattn", model="tiny",
+                    engine_args={"device": "cpu", "dtype": "float32", "max_num_seqs": 2, "max_num_batched_tokens": 16,
+                                 "kv_memory": 1 << 24, "max_model_len": 64},
+                    workloads=[WorkloadRun("memory", str(prompts_file), 5, stepwise=True)], warmup_tokens=4, reps=1)
+    peer.run_vattn(spec, tmp_path / "result.json")
+    run = SideResult.read(tmp_path / "result.json").runs[0]
+    assert run["output_tokens"] == 15 and max(run["running"]) == 2  # max_num_seqs caps it
+    assert sum(run["running"]) == 15  # each of the 15 tokens came in a step of its own request
