@@ -146,7 +146,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             try:
-                slot = self.kv.alloc_slot(seq.num_tokens)
+                slot = self.kv.alloc_slot(self._full_length(seq))
             except KVCacheError:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -165,6 +165,10 @@ class Scheduler:
             self._take(seq, n, out)
             budget -= n
         return budget
+
+    def _full_length(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` can reach: what its slot is expected to hold (pages past it are surplus)."""
+        return min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -250,7 +254,7 @@ class Scheduler:
         self._append(child, token, logprobs)
         if parent.slot is not None and len(self.running) < self.config.max_num_seqs:
             try:
-                child.slot = self.kv.alloc_slot(prompt + 1)
+                child.slot = self.kv.alloc_slot(self._full_length(child))
             except KVCacheError:
                 child.slot = None
         if child.slot is None:

@@ -29,7 +29,7 @@ class PageLedger(NumberedSlotCache):
     # -- recorded changes ----------------------------------------------------------------------
     def alloc_slot(self, expected_tokens: int = 0, slot: int | None = None) -> int:
         slot = super().alloc_slot(expected_tokens, slot)
-        self._ops.append(AllocSlot(slot))
+        self._ops.append(AllocSlot(slot, expected_tokens))
         return slot
 
     def free_slot(self, slot: int) -> None:

@@ -16,6 +16,7 @@ from kvmem.swap import SwapSpace
 @dataclass(frozen=True, slots=True)
 class AllocSlot:
     slot: int
+    expected_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +64,8 @@ def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSp
         match op:
             case Ensure(slot, tokens):
                 cache.ensure(slot, tokens)
-            case AllocSlot(slot):
-                cache.alloc_slot(0, slot=slot)
+            case AllocSlot(slot, expected):
+                cache.alloc_slot(expected, slot=slot)
             case FreeSlot(slot):
                 cache.free_slot(slot)
             case SharePrefix(src, dst, tokens):

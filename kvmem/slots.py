@@ -29,6 +29,9 @@ class SlotState:
     in_use: bool = False
     tokens: int = 0
     pages: list[Page] = field(default_factory=list)
+    # Tokens the slot's request may grow to (its allocation's expectation, raised by every ``ensure``): pages
+    # past it are surplus, left over from a longer request that used the slot before, and may be reclaimed.
+    expected: int = 0
 
 
 class SlotCache(ABC):
@@ -132,7 +135,8 @@ class SlotCache(ABC):
 
         Best fit over still-mapped pages: the free slot with the fewest pages that still cover the
         expectation, else the one with the most pages. ``slot`` claims that free slot instead (a worker
-        replaying the choice its scheduler made).
+        replaying the choice its scheduler made). Pages the slot holds past the expectation are surplus:
+        ``reclaim`` takes them when the pool runs short, after those of free slots.
         """
         self._check_tokens(expected_tokens, "expected_tokens")
         need = self.spec.pages_for(expected_tokens)
@@ -143,7 +147,7 @@ class SlotCache(ABC):
             else:
                 slot = self._best_fit(need)
             state = self._slots[slot]
-            state.in_use, state.tokens = True, 0
+            state.in_use, state.tokens, state.expected = True, 0, expected_tokens
             return slot
 
     def _best_fit(self, need: int) -> int:
@@ -163,7 +167,7 @@ class SlotCache(ABC):
         """
         with self._lock:
             state = self._in_use(slot)
-            state.in_use, state.tokens = False, 0
+            state.in_use, state.tokens, state.expected = False, 0, 0
             if not self.keeps_pages_on_free:
                 self._drop_tail(slot, 0)
 
@@ -182,6 +186,7 @@ class SlotCache(ABC):
         self._check_tokens(num_tokens, "num_tokens")
         with self._lock:
             state = self._in_use(slot)
+            state.expected = max(state.expected, num_tokens)
             need = self.spec.pages_for(num_tokens)
             have = len(state.pages)
             cow = self._shared_in_write_range(state, need, num_tokens)
@@ -221,10 +226,11 @@ class SlotCache(ABC):
                 elif target.pages[index] != page:
                     self._replace(dst, index, page)
             target.tokens = tokens
+            target.expected = max(target.expected, tokens)
 
     def reclaim(self, pages: int) -> int:
-        """Let go of pages that free slots still hold until ``pages`` physical pages went back to the
-        pool (or none are left); returns the physical pages freed."""
+        """Let go of pages that free slots still hold, then of slots' pages past their expectation, until
+        ``pages`` physical pages went back to the pool (or none are left); returns the physical pages freed."""
         if pages < 0:
             raise ValueError(f"reclaim: pages must be >= 0, got {pages}")
         with self._lock:
@@ -286,9 +292,13 @@ class SlotCache(ABC):
         self._incref(page)
         self._attach(slot, index, page)
 
+    def _surplus(self, state: SlotState) -> list[Page]:
+        """The pages a slot may let go of: all of a free slot's, those past its expectation for one in use."""
+        return state.pages[self.spec.pages_for(max(state.expected, state.tokens)) if state.in_use else 0:]
+
     def _reclaimable(self) -> int:
-        """Slot pages freed if every free slot let go of all its pages."""
-        held = Counter(p for s in self._slots if not s.in_use for p in s.pages)
+        """Slot pages freed if every slot let go of its surplus."""
+        held = Counter(p for s in self._slots for p in self._surplus(s))
         return sum(1 for page, n in held.items() if self._refs.get(page, 0) == n)
 
     def _make_room(self, pages: int, slot: int, tokens: int) -> None:
@@ -305,10 +315,12 @@ class SlotCache(ABC):
     def _reclaim(self, units: int) -> int:
         start = self._free_pages()
         while (self._free_pages() - start) * self.units_per_page < units:
-            holders = [i for i, s in enumerate(self._slots) if not s.in_use and s.pages]
+            # Free slots first (the largest first), then the surplus of slots in use.
+            holders = [i for i, s in enumerate(self._slots) if not s.in_use and s.pages] or [
+                i for i, s in enumerate(self._slots) if s.in_use and self._surplus(s)]
             if not holders:
                 break
-            slot = max(holders, key=lambda i: len(self._slots[i].pages))
+            slot = max(holders, key=lambda i: len(self._surplus(self._slots[i])))
             self._drop_tail(slot, len(self._slots[slot].pages) - 1)
         return (self._free_pages() - start) * self.units_per_page
 

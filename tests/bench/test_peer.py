@@ -19,6 +19,16 @@ from peer_spec import PeerMismatch, SideResult, SideSpec, WorkloadRun, check_com
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21]]
 
 
+def tiny_side(tmp_path: Path, max_num_seqs: int, batched_tokens: int, workload: WorkloadRun, **options) -> SideSpec:
+    """A vattn side over the ``tiny`` preset on the CPU, running ``PROMPTS`` (written under ``tmp_path``)."""
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(PROMPTS))
+    return SideSpec(call_id="c", engine="vattn", label="vattn", model="tiny",
+                    engine_args={"device": "cpu", "dtype": "float32", "max_num_seqs": max_num_seqs,
+                                 "max_num_batched_tokens": batched_tokens, "kv_memory": 1 << 24, "max_model_len": 64},
+                    workloads=[replace(workload, prompts_file=str(prompts_file))], warmup_tokens=4, **options)
+
+
 def side(label: str, call_id: str = "call-1", device: str = "H100", prompts=PROMPTS, wall: float = 1.0) -> SideResult:
     r = SideResult(call_id=call_id, engine=label.split("-")[0], label=label, device=device, versions={}, engine_args={})
     r.record("w1", prompts, 4, 0, wall, len(prompts) * 4)
@@ -72,13 +82,8 @@ def test_hf_config_describes_the_preset():
 
 
 def test_vattn_side_runs_rounds_and_a_profile_split_into_steps(tmp_path):
-    prompts_file = tmp_path / "prompts.json"
-    prompts_file.write_text(json.dumps(PROMPTS))
-    spec = SideSpec(call_id="c", engine="vattn", label="vattn", model="tiny",
-                    engine_args={"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 8,
-                                 "kv_memory": 1 << 24, "max_model_len": 64},
-                    workloads=[WorkloadRun("w1", str(prompts_file), 5)], warmup_tokens=4, reps=2, profile="w1",
-                    profile_dir=str(tmp_path / "profiles"), profile_tokens=6)
+    spec = tiny_side(tmp_path, 4, 8, WorkloadRun("w1", "", 5), reps=2, profile="w1",
+                     profile_dir=str(tmp_path / "profiles"), profile_tokens=6)
     peer.run_vattn(spec, tmp_path / "result.json")
     result = SideResult.read(tmp_path / "result.json")
     assert [(r["workload"], r["round"], r["output_tokens"]) for r in result.runs] == [("w1", 0, 15), ("w1", 1, 15)]
@@ -141,12 +146,7 @@ def test_concurrency_is_the_peak_and_the_median_of_the_middle_steps():
 
 
 def test_vattn_side_counts_the_requests_running_in_each_step(tmp_path):
-    prompts_file = tmp_path / "prompts.json"
-    prompts_file.write_text(json.dumps(PROMPTS))
-    spec = SideSpec(call_id="c", engine="vattn", label="vattn", model="tiny",
-                    engine_args={"device": "cpu", "dtype": "float32", "max_num_seqs": 2, "max_num_batched_tokens": 16,
-                                 "kv_memory": 1 << 24, "max_model_len": 64},
-                    workloads=[WorkloadRun("memory", str(prompts_file), 5, stepwise=True)], warmup_tokens=4, reps=1)
+    spec = tiny_side(tmp_path, 2, 16, WorkloadRun("memory", "", 5, stepwise=True), reps=1)
     peer.run_vattn(spec, tmp_path / "result.json")
     run = SideResult.read(tmp_path / "result.json").runs[0]
     assert run["output_tokens"] == 15 and max(run["running"]) == 2  # max_num_seqs caps it

@@ -39,8 +39,9 @@ def test_chunked_prefill_and_the_lookahead_plan():
         a, b, c = add(scheduler, 40), add(scheduler, 30), add(scheduler, 50)
         out = scheduler.schedule()
         assert [(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled] == [(a, 40, 1), (b, 24, 0)]
-        assert ledger.take_ops() == (AllocSlot(a.slot), Ensure(a.slot, 40), AllocSlot(b.slot), Ensure(b.slot, 24))
-        apply_ops(cache, (AllocSlot(a.slot), Ensure(a.slot, 40), AllocSlot(b.slot), Ensure(b.slot, 24)))
+        ops = (AllocSlot(a.slot, 48), Ensure(a.slot, 40), AllocSlot(b.slot, 38), Ensure(b.slot, 24))  # prompt + max_tokens
+        assert ledger.take_ops() == ops
+        apply_ops(cache, ops)
         plan = scheduler.lookahead(out)
         assert plan.needs == {a.slot: 41, b.slot: 30}
         assert not ledger.has_ops  # mapping ahead travels as the plan, not as operations
@@ -50,8 +51,8 @@ def test_chunked_prefill_and_the_lookahead_plan():
         maps = cache.stats().maps
         out = scheduler.schedule()
         assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(a, 1), (b, 6), (c, 50)]
-        assert ledger.take_ops() == (AllocSlot(c.slot), Ensure(c.slot, 50))  # a's and b's were backed ahead
-        apply_ops(cache, (AllocSlot(c.slot), Ensure(c.slot, 50)))
+        assert ledger.take_ops() == (AllocSlot(c.slot, 58), Ensure(c.slot, 50))  # a's and b's were backed ahead
+        apply_ops(cache, (AllocSlot(c.slot, 58), Ensure(c.slot, 50)))
         assert cache.stats().maps == maps + 4  # only c's 4 pages
         assert ledger.accounting() == cache.accounting()
 
@@ -75,6 +76,26 @@ def test_preemption_takes_the_latest_arrival_and_recomputes_it_later():
     scheduler.finish(second, "length")
     out = scheduler.schedule()  # recompute: prompt and the three tokens it had sampled, in one chunk
     assert [(s.seq, s.num_tokens, s.num_samples) for s in out.scheduled] == [(third, 33, 1)]
+
+
+def test_a_short_request_in_a_long_ones_slot_leaves_the_rest_to_others():
+    """Deferred reclamation hands a finished request's mapped pages to the next one in its slot; pages past what
+    that request can grow to are taken by others when the pool is short, rather than waiting or preempting. The
+    workers' cache, replaying the ledger's operations, agrees page for page."""
+    ledger = PageLedger(SPEC, 6, keeps_pages_on_free=True)  # 6 pages = 96 tokens
+    with VirtualKVCache(SPEC, 6 * 2 * 4096) as cache:
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256), ledger)
+        long = add(scheduler, 80, max_tokens=8)  # its prompt takes 5 of the 6 pages
+        out = scheduler.schedule()
+        scheduler.postprocess(out, sample_all(out))
+        scheduler.finish(long, "length")
+        short, other = add(scheduler, 10, max_tokens=6), add(scheduler, 60, max_tokens=8)  # 1 and 5 pages at most
+        out = scheduler.schedule()
+        assert [s.seq for s in out.scheduled] == [short, other] and not out.preempted
+        # short reuses long's slot and its 5 pages; `other` took the free page and 3 of short's 4 surplus ones
+        assert short.slot == 0 and len(ledger._slots[0].pages) == 2
+        apply_ops(cache, ledger.take_ops())
+        assert ledger.accounting() == cache.accounting()
 
 
 def test_a_step_scheduled_while_the_last_one_runs():

@@ -183,6 +183,28 @@ def test_ensure_reclaims_pages_of_free_slots_when_short(cache_factory):
     check_invariants(cache)
 
 
+def test_pages_past_a_reused_slots_expectation_are_reclaimed_and_its_data_kept(cache_factory):
+    """A short request in the slot a long one left keeps its pages mapped but owns only what it can grow to: the
+    rest is reclaimed when another slot needs it (after free slots' pages), never its data."""
+    cache = cache_factory(pool_groups=4)
+    tpp = tokens_per_page(cache)
+    long = cache.alloc_slot(4 * tpp)
+    cache.ensure(long, 4 * tpp)
+    cache.free_slot(long)
+    short = cache.alloc_slot(tpp + 1)  # may grow to 2 pages: 2 of the 4 it finds mapped are surplus
+    assert short == long
+    cache.ensure(short, tpp)
+    fill(cache, short, 0, tpp, tag=1.0)
+    other = cache.alloc_slot(2 * tpp)
+    cache.ensure(other, 2 * tpp)  # the pool is empty: the surplus is taken
+    assert len(cache._slots[short].pages) == 2
+    with pytest.raises(KVCacheExhausted):
+        cache.ensure(other, 3 * tpp)  # the short request's 2 pages are its own
+    cache.ensure(short, tpp + 1)
+    assert_holds(cache, short, 0, tpp, tag=1.0)
+    check_invariants(cache)
+
+
 def test_alloc_prefers_best_fitting_mapped_slot(cache_factory):
     cache = cache_factory(pool_groups=16)
     tpp = tokens_per_page(cache)
