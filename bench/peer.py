@@ -24,8 +24,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 import report
+from cluster.engine import LLM
 from peer_spec import PeerMismatch, SideResult, SideSpec, WorkloadRun, check_comparable, digest
+from worker.sampling import SamplingParams
 
 GiB = 1 << 30
 HERE = Path(__file__).resolve().parent
@@ -79,43 +83,70 @@ def hf_config(preset: str) -> dict:
 
 
 # -- the vattn side ---------------------------------------------------------------------------------------------
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def vattn_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """Wall seconds and output tokens of one ``generate`` over ``prompts``."""
+    _sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def vattn_stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[int]]:
+    """As ``vattn_generate``, one engine step at a time, also counting the requests that gained a token each step."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    _sync()
+    start = time.perf_counter()
+    for p in prompts:
+        llm.add_request(p, params)
+    counts, lengths = [], {}
+    while llm.core.has_work:
+        gained = 0
+        for o in llm.step():
+            n = len(o.outputs[0].token_ids)
+            gained += n > lengths.get(o.request_id, 0)
+            lengths[o.request_id] = n
+        counts.append(gained)
+    return time.perf_counter() - start, sum(lengths.values()), counts
+
+
+def vattn_round(llm: LLM, result: SideResult, run: WorkloadRun, prompts: list[list[int]], round_: int) -> None:
+    """One timed run of a workload, recorded with the engine's stall, steps and preemptions in it."""
+    before = llm.snapshot()
+    extra = {}
+    if run.stepwise:
+        wall, tokens, extra["running"] = vattn_stepwise(llm, prompts, run.output)
+    else:
+        wall, tokens = vattn_generate(llm, prompts, run.output)
+    after = llm.snapshot()
+    stall = after.workers[0].stall_seconds - before.workers[0].stall_seconds
+    result.record(run.name, prompts, run.output, round_, wall, tokens, stall_s=stall,
+                  steps=after.num_steps - before.num_steps,
+                  preemptions=after.num_preemptions - before.num_preemptions, **extra)
+    print(f"{result.label} {run.name} round {round_}: {wall:.3f} s (stall {stall:.3f} s)", flush=True)
+
+
+def vattn_profile(llm: LLM, spec: SideSpec, prompts: list[list[int]]) -> str:
+    """One run of ``prompts`` for ``spec.profile_tokens`` tokens under torch's profiler; the trace's path."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        vattn_generate(llm, prompts, spec.profile_tokens)
+    Path(spec.profile_dir).mkdir(parents=True, exist_ok=True)
+    trace = Path(spec.profile_dir) / f"vattn_{spec.profile}.pt.trace.json.gz"
+    prof.export_chrome_trace(str(trace))
+    return str(trace)
+
+
 def run_vattn(spec: SideSpec, out: Path) -> None:
     """One vattn engine process: the ``SideSpec``'s warm-up, rounds and profile (in-process engine)."""
-    import torch
-
-    from cluster.engine import LLM
-    from worker.sampling import SamplingParams
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        sync()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-        return wall, sum(len(o.outputs[0].token_ids) for o in outputs)
-
-    def stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[int]]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        sync()
-        start = time.perf_counter()
-        for p in prompts:
-            llm.add_request(p, params)
-        counts, lengths = [], {}
-        while llm.core.has_work:
-            gained = 0
-            for o in llm.step():
-                n = len(o.outputs[0].token_ids)
-                gained += n > lengths.get(o.request_id, 0)
-                lengths[o.request_id] = n
-            counts.append(gained)
-        return time.perf_counter() - start, sum(lengths.values()), counts
-
     start = time.perf_counter()
     llm = LLM(spec.model, **spec.engine_args)
     started = time.perf_counter() - start
-    resolved = {k: v for k, v in vars(llm.core.plan.config).items() if k not in ("model",)}
+    resolved = {k: v for k, v in vars(llm.core.plan.config).items() if k != "model"}
     env = report.environment()
     result = SideResult(
         call_id=spec.call_id, engine="vattn", label=spec.label, device=env["device"], versions=env["versions"],
@@ -125,31 +156,12 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
     with llm:
         workloads = [(w, w.prompts()) for w in spec.workloads]
         warm = workloads[0][1][: spec.warmup_prompts]
-        generate(llm, [p[: spec.warmup_tokens] for p in warm], 8)
+        vattn_generate(llm, [p[: spec.warmup_tokens] for p in warm], 8)
         for round_ in range(spec.reps):
-            for w, prompts in workloads:
-                before = llm.snapshot()
-                extra = {}
-                if w.stepwise:
-                    wall, tokens, extra["running"] = stepwise(llm, prompts, w.output)
-                else:
-                    wall, tokens = generate(llm, prompts, w.output)
-                after = llm.snapshot()
-                stall = after.workers[0].stall_seconds - before.workers[0].stall_seconds
-                result.record(w.name, prompts, w.output, round_, wall, tokens, stall_s=stall,
-                              steps=after.num_steps - before.num_steps,
-                              preemptions=after.num_preemptions - before.num_preemptions, **extra)
-                print(f"{spec.label} {w.name} round {round_}: {wall:.3f} s (stall {stall:.3f} s)", flush=True)
+            for run, prompts in workloads:
+                vattn_round(llm, result, run, prompts, round_)
         if spec.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            prompts = dict((w.name, p) for w, p in workloads)[spec.profile]
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                generate(llm, prompts, spec.profile_tokens)
-            Path(spec.profile_dir).mkdir(parents=True, exist_ok=True)
-            trace = Path(spec.profile_dir) / f"vattn_{spec.profile}.pt.trace.json.gz"
-            prof.export_chrome_trace(str(trace))
-            result.profile_trace = str(trace)
+            result.profile_trace = vattn_profile(llm, spec, dict((w.name, p) for w, p in workloads)[spec.profile])
     result.write(out)
 
 
