@@ -68,7 +68,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                       help="instead: this share of each worker's device memory left free by its weights, e.g. 0.9")
     parser.add_argument("--page-size", type=_size, default=2 << 20, help="KV page of the virtual layouts")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens a step computes at most")
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights at the model directory's config.json shape (benchmarks)")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per stage (Ray)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (Ray)")
@@ -84,7 +87,8 @@ def _kv_size(args: argparse.Namespace) -> dict:
 
 def _engine_config(args: argparse.Namespace) -> dict:
     return dict(kv_layout=args.kv_layout, attention=args.attention, **_kv_size(args), page_size=args.page_size,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy)
 
 
@@ -136,8 +140,9 @@ def _serve(args: argparse.Namespace) -> int:
         serve_args = ServeArgs.parse(dict(
             model=args.model, served_model_name=args.served_model_name, tensor_parallel_size=args.tp,
             pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention, **_kv_size(args),
-            page_size=args.page_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
-            device=args.device, placement_strategy=args.placement_strategy, num_replicas=args.num_replicas,
+            page_size=args.page_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
+            placement_strategy=args.placement_strategy, num_replicas=args.num_replicas,
             ingress_replicas=args.ingress_replicas,
             api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,
             max_pending=args.max_pending,

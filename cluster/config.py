@@ -53,6 +53,7 @@ class EngineConfig:
     swap_space: int = 4 << 30
     dtype: str = "auto"
     device: str | None = None
+    load_format: Literal["auto", "dummy"] = "auto"  # "dummy": random weights at a model directory's shape
     cuda_graphs: bool | None = None
     seed: int = 0
     progress: bool = False
@@ -261,7 +262,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         WorkerConfig(config.model, dtype, device, specs[p], None, attention, ranges[p], p, t, tp,
                      config.max_num_seqs if graphs else 0, 0 if graphs else None, swap=config.preemption_mode == "swap",
                      deferred_reclamation=config.deferred_reclamation, seed=config.seed, progress=config.progress,
-                     fills_placeholders=overlap)
+                     load_format=config.load_format, fills_placeholders=overlap)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]

@@ -32,6 +32,7 @@ class ServeArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
     dtype: str = "auto"
     device: Literal["cpu", "cuda"] | None = None
+    load_format: Literal["auto", "dummy"] = "auto"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     num_replicas: int = Field(1, ge=1)
     ingress_replicas: int = Field(1, ge=1)  # HTTP front replicas: each takes a CPU, and SSE chunks cost CPU
@@ -64,7 +65,7 @@ class ServeArgs(BaseModel):
         return EngineConfig(
             model=self.model, kv_layout=self.kv_layout, attention=self.attention, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            kv_memory=self.kv_memory, kv_memory_fraction=self.kv_memory_fraction, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True,
+            kv_memory=self.kv_memory, kv_memory_fraction=self.kv_memory_fraction, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True, load_format=self.load_format,
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             distributed="ray", placement_strategy=self.placement_strategy,
         )

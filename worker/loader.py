@@ -23,14 +23,20 @@ def build_model(
     layers: range | None = None,
     seed: int = 0,
     progress: bool = False,
+    load_format: str = "auto",
 ) -> Transformer:
-    """A preset name (random weights at real shapes) or a Hugging Face model directory."""
+    """A preset name (random weights at real shapes) or a Hugging Face model directory: its weights, or with
+    ``load_format="dummy"`` random ones at its ``config.json``'s shape (vLLM's option of that name)."""
     if model in PRESETS:
         return random_model(PRESETS[model], dtype, device, tp, layers, seed, progress)
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
     config = ModelConfig.from_hf(path)
+    if load_format == "dummy":
+        return random_model(config, dtype, device, tp, layers, seed, progress)
+    if load_format != "auto":
+        raise ValueError(f"load_format {load_format!r}: choose 'auto' (the directory's weights) or 'dummy' (random)")
     shard = empty_model(config, dtype, device, tp, layers)
     load_hf_weights(shard, path, tp, progress)
     return shard

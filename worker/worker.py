@@ -59,6 +59,7 @@ class WorkerConfig:
     deferred_reclamation: bool = True  # a virtual cache's freed slots keep their pages (the ledger does the same)
     seed: int = 0
     progress: bool = False
+    load_format: str = "auto"  # "dummy": random weights at the model directory's shape
     # Async scheduling: a step's input may end a sequence's chunk with ``PLACEHOLDER``, the token this worker
     # sampled for it last (the scheduler has not seen it yet); so every TP rank samples.
     fills_placeholders: bool = False
@@ -72,7 +73,8 @@ class Worker:
         self.device = torch.device(config.device)
         self._backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
         tp = self.tp = TPGroup(config.tp_rank, config.tp_size, tp_group)
-        self.model = model or build_model(config.model, config.dtype, self.device, tp, config.layers, config.seed, config.progress)
+        self.model = model or build_model(config.model, config.dtype, self.device, tp, config.layers, config.seed,
+                                          config.progress, config.load_format)
         self.cache = None
         if config.pool_bytes is not None:
             self.allocate(config.pool_bytes)

@@ -19,6 +19,19 @@ def test_generate_prints_json_per_prompt(capsys):
     assert all(len(line["completions"][0]["token_ids"]) == 4 for line in lines)
 
 
+def test_generate_over_a_directory_with_dummy_weights(tmp_path, capsys):
+    """vLLM's ``--load-format dummy``: a model directory with a config.json only, random weights at its shape."""
+    config = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "Hi", "--max-tokens", "3", "--kv-memory", "16MiB",
+            "--max-num-batched-tokens", "64", "--device", "cpu", "--json", "--ignore-eos"]
+    assert main(argv + ["--load-format", "dummy"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["completions"][0]["token_ids"]) == 3
+    assert main(argv) == 2  # its own weights: there are none
+    assert "no *.safetensors" in capsys.readouterr().err
+
+
 def test_bad_argument_is_a_clear_error(capsys):
     assert main(["generate", "--prompt", "x", "--max-tokens", "0", "--device", "cpu"]) == 2
     assert "max_tokens must be an int > 0, got 0" in capsys.readouterr().err

@@ -64,6 +64,16 @@ def test_missing_files_are_named(tmp_path):
         build_model(str(tmp_path / "nowhere"))
 
 
+def test_dummy_load_format_builds_random_weights_at_the_directorys_shape(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "max_position_embeddings": 128}))
+    model = build_model(str(tmp_path), torch.float32, load_format="dummy")
+    assert model.config == ModelConfig.from_hf(tmp_path) and model.config.num_kv_heads == 2
+    again = build_model(str(tmp_path), torch.float32, load_format="dummy")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(ValueError, match="load_format 'fake': choose 'auto' \\(the directory's weights\\) or 'dummy'"):
+        build_model(str(tmp_path), load_format="fake")
+
+
 def test_hf_tokenizer_and_chat_template(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}, "<unk>"))
