@@ -72,7 +72,9 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
     return s
 
 
-async def level(url: str, name: str, prompts: list[list[int]], output: int, concurrency: int, key: str | None) -> dict:
+async def level(url: str, name: str, prompts: list[list[int]], output: int, concurrency: int, key: str | None,
+                rate: float | None = None) -> dict:
+    """``prompts`` at most ``concurrency`` at a time, or arriving as a Poisson process of ``rate`` requests/s."""
     gate = asyncio.Semaphore(concurrency)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -81,10 +83,20 @@ async def level(url: str, name: str, prompts: list[list[int]], output: int, conc
             return await one(client, url, {"model": name, "prompt": prompt, "max_tokens": output, "temperature": 0,
                                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
 
+    async def arriving(client):
+        gaps, tasks = random.Random(len(prompts)), []
+        for p in prompts:
+            tasks.append(asyncio.create_task(gated(client, p)))
+            await asyncio.sleep(gaps.expovariate(rate))
+        return await asyncio.gather(*tasks)
+
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
         start = time.perf_counter()
-        samples = await asyncio.gather(*(gated(client, p) for p in prompts))
+        if rate:
+            samples = await arriving(client)
+        else:
+            samples = await asyncio.gather(*(gated(client, p) for p in prompts))
         wall = time.perf_counter() - start
     ok = [s for s in samples if s.error is None]
 
@@ -96,7 +108,7 @@ async def level(url: str, name: str, prompts: list[list[int]], output: int, conc
 
     tokens = sum(s.output_tokens for s in ok)
     return {
-        "concurrency": concurrency, "requests": len(prompts), "errors": len(samples) - len(ok),
+        "concurrency": concurrency, "rate": rate, "requests": len(prompts), "errors": len(samples) - len(ok),
         "first_errors": [s.error for s in samples if s.error][:3], "wall_s": wall,
         "output_tok_s": tokens / wall, "request_s": len(ok) / wall, "output_tokens": tokens,
         "ttft_s": pct([s.ttft for s in ok]), "itl_s": pct([x for s in ok for x in s.itl]), "e2e_s": pct([s.e2e for s in ok]),
@@ -129,6 +141,7 @@ def start_server(args) -> tuple[str, str]:
 
 
 def plot(levels: list[dict], path: Path, title: str) -> None:
+    levels = [r for r in levels if not r["rate"]]  # the fixed-concurrency levels
     c = [r["concurrency"] for r in levels]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "e2e")):
@@ -156,6 +169,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--rates", type=float, nargs="*", default=[],
+                   help="then Poisson arrivals at these requests/s (at most 1024 open at once), --rate-seconds of them each")
+    p.add_argument("--rate-seconds", type=float, default=20)
     p.add_argument("--requests", type=int, default=0, help="per level (default: --rounds x the concurrency, at least 16)")
     p.add_argument("--rounds", type=int, default=4, help="requests per client at each level, unless --requests")
     p.add_argument("--input", type=int, default=128, help="prompt tokens")
@@ -169,17 +185,18 @@ def main() -> None:
     rng = random.Random(args.seed)
     levels = []
     asyncio.run(level(url, name, [[rng.randrange(args.vocab) for _ in range(args.input)]] * 4, args.output, 4, args.api_key))  # warm-up
-    for c in args.concurrency:
-        n = args.requests or max(16, args.rounds * c)
+    loads = [(c, None, args.requests or max(16, args.rounds * c)) for c in args.concurrency]
+    loads += [(1024, rate, max(16, round(rate * args.rate_seconds))) for rate in args.rates]
+    for c, rate, n in loads:
         prompts = [[rng.randrange(args.vocab) for _ in range(args.input)] for _ in range(n)]
-        levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key)))
+        levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key, rate)))
         r = levels[-1]
-        print(f"{c} clients: {r['requests']} requests in {r['wall_s']:.1f} s, {r['output_tok_s']:.0f} output tok/s, "
-              f"{r['errors']} errors", file=sys.stderr, flush=True)
+        print(f"{f'{rate:g} req/s' if rate else f'{c} clients'}: {r['requests']} requests in {r['wall_s']:.1f} s, "
+              f"{r['output_tok_s']:.0f} output tok/s, {r['errors']} errors", file=sys.stderr, flush=True)
     ms = lambda x: None if x is None else round(1e3 * x, 1)  # noqa: E731
-    headers = ["clients", "requests", "errors", "output tok/s", "req/s", "TTFT p50/p90/p99 ms", "TPOT p50/p99 ms",
+    headers = ["clients / rate", "requests", "errors", "output tok/s", "req/s", "TTFT p50/p90/p99 ms", "TPOT p50/p99 ms",
                "ITL p50/p90/p99 ms", "e2e p50/p99 ms"]
-    rows = [[r["concurrency"], r["requests"], r["errors"], round(r["output_tok_s"], 1), round(r["request_s"], 2),
+    rows = [[f"{r['rate']:g}/s" if r["rate"] else r["concurrency"], r["requests"], r["errors"], round(r["output_tok_s"], 1), round(r["request_s"], 2),
              "/".join(str(ms(r["ttft_s"][k])) for k in ("p50", "p90", "p99")),
              "/".join(str(ms(r["tpot_s"][k])) for k in ("p50", "p99")),
              "/".join(str(ms(r["itl_s"][k])) for k in ("p50", "p90", "p99")),

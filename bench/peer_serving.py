@@ -1,0 +1,210 @@
+"""vattn serve against vllm serve on the same GPU, in one call: the same model directory, the same clients, ABBA
+by server.
+
+Both servers load one directory: a ``config.json`` of the preset's shape, random weights (``--load-format dummy``
+in both), and a word-level tokenizer written here (one word per id, so every id a client sends is a token and
+every token detokenizes to text; with ``--skip-tokenizer-init`` vLLM's server was seen stalling). Each server is
+started, driven by ``bench/serving.py`` (streaming completions at fixed concurrency, then Poisson arrivals) and,
+with ``--vllm-client``, by vLLM's own ``vllm bench serve`` (random dataset), then stopped; the order is vattn,
+vllm, vllm, vattn. vLLM runs with our batch settings and KV bytes (``--max-num-batched-tokens``,
+``--max-num-seqs``, ``--kv-cache-memory-bytes``), vattn as ``vattn serve`` (Ray Serve, one engine replica).
+
+    python bench/peer_serving.py --vllm-site /tmp/vroot/site [--concurrency 1 16 64 256] [--rates 4 16] [--vllm-client]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import report
+from peer import HERE, hf_config
+
+PORT = 8011
+SERVED = "peer"
+
+
+def write_model_dir(preset: str, root: Path) -> Path:
+    """``config.json`` of ``preset`` and a word-level tokenizer over its whole vocabulary (``tok123`` for id 123)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    config = hf_config(preset)
+    path = root / f"serve_{preset}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    vocab = {f"tok{i}": i for i in range(config["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="tok0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces, as the ids were split
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "tok1", "eos_token": "tok2", "unk_token": "tok0",
+        "model_max_length": config["max_position_embeddings"]}))
+    return path
+
+
+def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
+    """The command line and environment that start ``side``'s server on ``PORT``."""
+    env = dict(os.environ)
+    shared = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--max-model-len", str(args.input + args.output + 64), "--load-format", "dummy"]
+    if side == "vllm":
+        env = {k: v for k, v in env.items() if not k.startswith("FLASHINFER_")}
+        env["PYTHONPATH"] = args.vllm_site
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(PORT),
+                "--served-model-name", SERVED, "--dtype", "bfloat16", "--kv-cache-memory-bytes",
+                str(int(args.kv_memory_gib * (1 << 30))), *shared], env
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *env.get("PYTHONPATH", "").split(os.pathsep)])
+    return [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(PORT),
+            "--served-model-name", SERVED, "--device", args.device, "--dtype", args.dtype,
+            "--kv-memory", f"{int(args.kv_memory_gib * 1024)}MiB", *shared], env
+
+
+def wait_ready(process: subprocess.Popen, timeout: float) -> float:
+    """Seconds until the server lists its model; raises if it exits or does not come up in ``timeout``."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was up")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=2) as r:
+                if SERVED in r.read().decode():
+                    return time.perf_counter() - start
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"the server was not up within {timeout:.0f} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """The server's whole process group, politely and then not; a local Ray it started goes with it."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(wait)
+            break
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+    # A local Ray that ``vattn serve`` started and that outlived its driver (its daemons may leave the group).
+    subprocess.run([sys.executable, "-c", "from ray.scripts.scripts import cli; cli(['stop', '--force'])"],
+                   capture_output=True, env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", "")))
+
+
+def our_clients(label: str, model: Path, args) -> dict:
+    """``bench/serving.py`` against the running server; its results."""
+    name = f"{label}_ours"
+    subprocess.run([sys.executable, str(HERE / "serving.py"), "--url", f"http://127.0.0.1:{PORT}", "--served-name",
+                    SERVED, "--concurrency", *map(str, args.concurrency), "--rates", *map(str, args.rates),
+                    "--rounds", str(args.rounds), "--input", str(args.input), "--output", str(args.output),
+                    "--vocab", str(args.vocab), "--name", name, "--out", str(args.work)], check=True)
+    return json.loads((args.work / f"{name}.json").read_text())
+
+
+def vllm_clients(label: str, model: Path, args) -> list[dict]:
+    """``vllm bench serve`` (random dataset) at each concurrency against the running server."""
+    out = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_")} | {"PYTHONPATH": args.vllm_site}
+    for c in args.concurrency:
+        name = f"{label}_vllm_client_{c}.json"
+        subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+                        "--base-url", f"http://127.0.0.1:{PORT}", "--model", SERVED, "--tokenizer", str(model),
+                        "--dataset-name", "random", "--random-input-len", str(args.input), "--random-output-len",
+                        str(args.output), "--num-prompts", str(max(16, args.rounds * c)), "--max-concurrency", str(c),
+                        "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+                        "--save-result", "--result-dir", str(args.work), "--result-filename", name],
+                       env=env, check=True)
+        out.append(json.loads((args.work / name).read_text()) | {"concurrency": c})
+    return out
+
+
+def run_side(side: str, index: int, model: Path, args) -> dict:
+    label = f"{index}_{side}"
+    command, env = server_command(side, model, args)
+    log = open(args.work / f"{label}_server.log", "w")
+    print(f"--- [{index}] {side}: {' '.join(command)}", flush=True)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               cwd=HERE.parent)
+    try:
+        up = wait_ready(process, args.start_timeout)
+        print(f"--- [{index}] {side} up in {up:.0f} s", flush=True)
+        result = {"side": side, "start_s": up, "ours": our_clients(label, model, args)}
+        if args.vllm_client:
+            result["vllm_client"] = vllm_clients(label, model, args)
+        return result
+    finally:
+        stop(process)
+        log.close()
+
+
+def compare(runs: list[dict]) -> tuple[list[str], list[list], dict]:
+    """Per load level: each side's mean over its runs of output tok/s, TTFT p50/p99 and TPOT p50, and the ratios."""
+    by_side: dict[str, list[dict]] = {}
+    for r in runs:
+        by_side.setdefault(r["side"], []).append(r)
+
+    def mean(side: str, i: int, key: str, q: str | None = None) -> float | None:
+        values = [r["ours"]["levels"][i][key] if q is None else r["ours"]["levels"][i][key][q] for r in by_side[side]]
+        return statistics.mean(values) if all(v is not None for v in values) else None
+
+    levels = by_side["vattn"][0]["ours"]["levels"]
+    rows, data = [], []
+    for i, level in enumerate(levels):
+        load = f"{level['rate']:g}/s" if level["rate"] else f"{level['concurrency']} clients"
+        v = {k: mean("vattn", i, *k.split(":")) for k in ("output_tok_s", "ttft_s:p50", "ttft_s:p99", "tpot_s:p50")}
+        p = {k: mean("vllm", i, *k.split(":")) for k in v}
+        errors = sum(r["ours"]["levels"][i]["errors"] for rs in by_side.values() for r in rs)
+        ratio = {k: v[k] / p[k] if v[k] and p[k] else None for k in v}
+        data.append({"load": load, "vattn": v, "vllm": p, "vattn_over_vllm": ratio, "errors": errors})
+        rows.append([load, v["output_tok_s"], p["output_tok_s"], ratio["output_tok_s"],
+                     *(1e3 * x if x else None for x in (v["ttft_s:p50"], p["ttft_s:p50"], v["ttft_s:p99"],
+                                                          p["ttft_s:p99"], v["tpot_s:p50"], p["tpot_s:p50"])), errors])
+    headers = ["load", "vattn tok/s", "vLLM tok/s", "vattn / vLLM", "TTFT p50 ms vattn", "vLLM", "TTFT p99 ms vattn",
+               "vLLM", "TPOT p50 ms vattn", "vLLM", "errors"]
+    return headers, rows, {"levels": data}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3-8b", help="a preset: its shape, random weights in both servers")
+    parser.add_argument("--vllm-site", default="/tmp/vroot/site")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--rates", type=float, nargs="*", default=[4, 16])
+    parser.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency")
+    parser.add_argument("--input", type=int, default=512)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=32000, help="prompt ids are drawn below this")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--kv-memory-gib", type=float, default=40)
+    parser.add_argument("--device", default="cuda", help="vattn's (cpu: a smoke run of the harness, vattn alone)")
+    parser.add_argument("--dtype", default="bfloat16", help="vattn's")
+    parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
+    parser.add_argument("--sides", nargs="+", default=["vattn", "vllm"], choices=["vattn", "vllm"])
+    parser.add_argument("--start-timeout", type=float, default=420)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vattn_peer_serving"))
+    parser.add_argument("--name", default="peer_serving")
+    parser.add_argument("--out", type=Path, default=report.RESULTS)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = write_model_dir(args.model, args.work)
+    runs = []
+    for index, side in enumerate(args.sides + args.sides[::-1]):
+        try:
+            runs.append(run_side(side, index, model, args))
+        except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
+            print(f"--- [{index}] {side} FAILED: {exc}", flush=True)
+    headers, rows, data = compare(runs) if {r["side"] for r in runs} == {"vattn", "vllm"} else ([], [], {})
+    report.write(args.name, headers, rows, data | {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs},
+                 args.out)
+
+
+if __name__ == "__main__":
+    main()

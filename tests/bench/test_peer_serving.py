@@ -1,0 +1,44 @@
+"""bench/peer_serving.py, the served side-by-side against vLLM: the model directory both servers load, and the
+comparison of their clients' numbers (the servers themselves run on the GPU machine)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import peer_serving  # noqa: E402
+from worker.config import ModelConfig, PRESETS  # noqa: E402
+from worker.tokenizer import load_tokenizer  # noqa: E402
+
+
+def test_the_model_directory_has_the_presets_shape_and_a_tokenizer_for_every_id(tmp_path):
+    path = peer_serving.write_model_dir("llama-3-8b", tmp_path)
+    config = ModelConfig.from_hf(path)
+    assert (config.vocab_size, config.num_layers, config.num_kv_heads) == (128256, 32, 8)
+    tokenizer = load_tokenizer(str(path))
+    assert tokenizer.decode([5, 31999, 128255]) == "tok5 tok31999 tok128255"
+    assert tokenizer.encode("tok7 tok128000") == [7, 128000]
+    transformers = pytest.importorskip("transformers")  # how vLLM's server loads it
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    assert hf.decode([5, 31999]) == "tok5 tok31999" and hf.eos_token_id == 2
+
+
+def level(concurrency, tok_s, ttft50, ttft99, tpot50, errors=0, rate=None):
+    return {"concurrency": concurrency, "rate": rate, "output_tok_s": tok_s, "errors": errors,
+            "ttft_s": {"p50": ttft50, "p99": ttft99}, "tpot_s": {"p50": tpot50}}
+
+
+def test_sides_are_compared_level_by_level_over_their_runs():
+    def run(side, tok_s):
+        return {"side": side, "ours": {"levels": [level(16, tok_s, 0.1, 0.3, 0.01), level(1024, tok_s / 2, 0.2, 0.5,
+                                                                                           0.02, rate=4.0)]}}
+
+    headers, rows, data = peer_serving.compare([run("vattn", 900), run("vllm", 1000), run("vllm", 1000),
+                                                run("vattn", 1100)])
+    assert headers[:4] == ["load", "vattn tok/s", "vLLM tok/s", "vattn / vLLM"]
+    assert rows[0][:4] == ["16 clients", 1000, 1000, 1.0] and rows[1][0] == "4/s"
+    assert data["levels"][1]["vattn_over_vllm"]["ttft_s:p50"] == 1.0
