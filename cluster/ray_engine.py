@@ -9,7 +9,7 @@ from dataclasses import replace
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.actors import SchedulerActor
+from cluster.scheduler_actor import SchedulerActor
 from cluster.config import EngineConfig, model_config, plan
 from cluster.outputs import RequestOutput
 from cluster.ray_executor import Placement

@@ -15,7 +15,7 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.actors import WorkerActor
+from cluster.worker_actor import WorkerActor
 from cluster.config import EnginePlan
 from cluster.errors import PlacementError, WorkerGroupError
 from cluster.executor import StepResult

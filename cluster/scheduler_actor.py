@@ -1,124 +1,23 @@
-"""Ray actors: ``WorkerActor`` wraps one ``Worker`` (a TP rank of a PP stage); ``SchedulerActor`` runs the
-engine core's step loop over them and buffers outputs for its clients."""
+"""``SchedulerActor``: runs the engine core's step loop over the worker actors (``RayExecutor``) and buffers outputs
+for its clients."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import replace
 
 import ray
-import torch
-import torch.distributed as dist
 
 from cluster.config import EngineConfig, model_config, plan
 from cluster.engine_core import EngineCore, Prompt
 from cluster.errors import EngineDeadError, WorkerGroupError
 from cluster.outputs import RequestOutput
+from cluster.ray_executor import RayExecutor
 from cluster.telemetry import EngineSnapshot
 from kvmem.stats import PageMap, SlotAccounting
-from worker.messages import StepInput, WorkerOutput
 from worker.sampling import SamplingParams
 from worker.tokenizer import load_tokenizer
-from worker.worker import Worker, WorkerConfig
-
-
-@ray.remote
-class WorkerActor:
-    """One shard on its own process (and GPU). Methods ``execute`` / ``report`` are the compiled graph's."""
-
-    def __init__(self, config: WorkerConfig):
-        self.config = config
-        self.worker: Worker | None = None
-        self._distributed = False
-
-    def address(self) -> str:
-        """A TCP rendezvous on this actor's node for torch.distributed (rank 0 only)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
-
-    def setup(self, init_method: str | None, rank: int, world: int, stage_ranks: list[list[int]]) -> None:
-        """Join the TP groups (every rank creates every stage's group, in the same order), then build the
-        shard: model, cache, mapper."""
-        cfg = self.config
-        if cfg.device == "cuda":
-            torch.cuda.set_device(0)  # Ray shows this actor its one GPU as device 0
-        group = None
-        if init_method is not None:
-            group = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank)
-            self._distributed = True
-        self.worker = Worker(cfg, tp_group=group)
-        # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
-        self._hidden_device = torch.device("cuda", 0) if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
-
-    def kv_memory_available(self, fraction: float, sharers: int) -> int:
-        return self.worker.kv_memory_available(fraction, sharers)
-
-    def allocate(self, pool_bytes: int) -> None:
-        self.worker.allocate(pool_bytes)
-
-    def execute(self, step: StepInput, inputs: torch.Tensor | None = None):
-        """The step; a stage before the last returns its hidden states for the next one (on its GPU when
-        one next-stage reader takes them over NCCL, else in host memory). With async scheduling (one stage)
-        the worker launches ahead: see ``execute_ahead``."""
-        if self.config.fills_placeholders:  # async scheduling, which has one pipeline stage
-            return self.execute_ahead(step)
-        out = self.worker.execute(step, inputs)
-        if self.worker.model.is_last:
-            return WorkerOutput(out.sampled, self.worker.report(), out.logprobs)
-        if out.hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
-            return torch.empty(0, self.worker.model.config.hidden_size, device=self._hidden_device)
-        return out.hidden.to(self._hidden_device)
-
-    def execute_ahead(self, step: StepInput) -> tuple[WorkerOutput, ...]:
-        """Queue ``step`` on the device, then finish the step the call before queued: the device runs this one
-        while the scheduler takes that one's tokens. The reply carries the results finished now, in order: the
-        step before's, and this one's too when it had no batch (nothing was queued)."""
-        before = self.worker.in_flight  # the call before's step
-        pending = self.worker.launch(step)
-        done = [p for p in (before, pending if pending.launched is None else None) if p is not None]
-        outputs = []
-        for p in done:
-            out = self.worker.finish(p)
-            outputs.append(WorkerOutput(out.sampled, self.worker.report(), out.logprobs, p.step))
-        return tuple(outputs)
-
-    def report(self, _hidden: torch.Tensor) -> WorkerOutput:
-        return WorkerOutput({}, self.worker.report())
-
-    def accounting(self) -> SlotAccounting:
-        return self.worker.cache.accounting()
-
-    def page_map(self) -> PageMap:
-        return self.worker.cache.page_map()
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
-        if self._distributed:
-            _leave_groups()
-            self._distributed = False
-
-
-# Module-level on purpose: Ray pickles actor methods by value, and cloudpickle then takes along every
-# torch.distributed submodule whose name the method's code mentions (``self.config`` names
-# ``torch.distributed.config``, which does not pickle).
-def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_ranks: list[list[int]], stage: int):
-    backend = "nccl" if device == "cuda" else "gloo"
-    kwargs = {"device_id": torch.device("cuda", 0)} if device == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
-    if len(stage_ranks) == 1:
-        return None  # one stage: its TP group is the whole world, the default group
-    groups = [dist.new_group(ranks) for ranks in stage_ranks]
-    return groups[stage]
-
-
-def _leave_groups() -> None:
-    dist.destroy_process_group()
 
 
 #: Seconds a finished request's output waits for its client before it is dropped (a client that went away).
@@ -132,8 +31,6 @@ class SchedulerActor:
 
     def __init__(self, config: EngineConfig, placement=None):
         """``placement``: a ``cluster.ray_executor.Placement`` for the workers (else they get their own group)."""
-        from cluster.ray_executor import RayExecutor
-
         self._error: BaseException | None = None
         self._closed = False
         self._cond = threading.Condition()
