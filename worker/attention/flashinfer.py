@@ -17,6 +17,7 @@ previous step, launched ahead, may still be waiting to copy it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from itertools import accumulate
 
 import torch
@@ -48,7 +49,7 @@ def page_tokens(slot_tokens: int) -> int:
     return page
 
 
-class _FlashInferPrefill:
+class _FlashInferPrefill(ABC):
     """Prefill chunks through FlashInfer's paged prefill wrapper; subclasses say what a page is."""
 
     def __init__(self):
@@ -58,9 +59,9 @@ class _FlashInferPrefill:
         self._planned: AttentionMetadata | None = None  # the step the current plan is for
         self._page = 0
 
+    @abstractmethod
     def _pages(self, meta: AttentionMetadata, seqs: list[int]) -> tuple[int, list[list[int]]]:
         """Tokens a page, and the pages of each of the step's sequences ``seqs`` in token order."""
-        raise NotImplementedError
 
     def _prefill(self, q, k_rows, v_rows, k_cache, v_cache, meta, into):
         if meta is not self._planned:
