@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 import report
+from peer_spec import steady_running
 from cluster.config import EngineConfig, plan
 from cluster.scheduler import Scheduler
 from cluster.sequence import Request, Sequence
@@ -59,8 +60,7 @@ def simulate(model: str, prompts: list[list[int]], output: int, kv_memory: int, 
             for seq in updated:
                 if seq.num_generated >= output:
                     scheduler.finish(seq, "length")
-    middle = sorted(running[len(running) // 4: 3 * len(running) // 4])
-    return {"steps": len(running), "peak": max(running), "steady": middle[len(middle) // 2],
+    return {"steps": len(running), "peak": max(running), "steady": steady_running(running),
             "preemptions": scheduler.num_preemptions, "pages": engine_plan.num_pages, "running": running}
 
 

@@ -28,7 +28,8 @@ import torch
 
 import report
 from cluster.engine import LLM
-from peer_spec import PeerMismatch, SideResult, SideSpec, WorkloadRun, check_comparable, digest
+from peer_spec import (PeerMismatch, SideResult, SideSpec, WorkloadRun, check_comparable, digest,
+                       steady_running)
 from worker.sampling import SamplingParams
 
 GiB = 1 << 30
@@ -301,10 +302,9 @@ def concurrency(results: list[SideResult]) -> dict:
             counts = run.get("running")
             if not counts:
                 continue
-            middle = sorted(counts[len(counts) // 4: 3 * len(counts) // 4]) or counts
             side = out.setdefault(run["workload"], {}).setdefault(r.label, {"peak": [], "steady": [], "preemptions": []})
             side["peak"].append(max(counts))
-            side["steady"].append(middle[len(middle) // 2])
+            side["steady"].append(steady_running(counts))
             if "preemptions" in run:
                 side["preemptions"].append(run["preemptions"])
     for sides in out.values():

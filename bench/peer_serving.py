@@ -95,7 +95,7 @@ def stop(process: subprocess.Popen) -> None:
             continue
     # A local Ray that ``vattn serve`` started and that outlived its driver (its daemons may leave the group).
     subprocess.run([sys.executable, "-c", "from ray.scripts.scripts import cli; cli(['stop', '--force'])"],
-                   capture_output=True, env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", "")))
+                   capture_output=True)
 
 
 def our_clients(label: str, model: Path, args) -> dict:

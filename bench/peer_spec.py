@@ -96,6 +96,13 @@ class SideResult:
         return cls(**json.loads(Path(path).read_text()))
 
 
+def steady_running(counts: list[int]) -> int:
+    """Requests running at once in steady state: the median of the per-step counts over the middle half of the
+    steps (ramp-up and drain left out)."""
+    middle = sorted(counts[len(counts) // 4: 3 * len(counts) // 4]) or sorted(counts)
+    return middle[len(middle) // 2]
+
+
 def check_comparable(results: list[SideResult]) -> None:
     """Raise ``PeerMismatch``, naming what differs, unless every result comes from one call on one device and
     ran the same prompts for every workload they share."""

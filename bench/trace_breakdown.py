@@ -35,12 +35,15 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("copy / index", ("copy", "index", "gather", "scatter", "memcpy", "memset", "fill", "cat", "elementwise")),
 )
 
+# What torch.compile's fused kernels can be, by the ops their names list: the categories before "matmul".
+FUSABLE = CATEGORIES[: [name for name, _ in CATEGORIES].index("matmul")]
+
 
 def category(kernel: str) -> str:
     """The category of a kernel by its name (``other`` when none matches)."""
     low = kernel.lower()
     if low.startswith("triton_") and "fused" in low:  # torch.compile's fusions name what they fuse
-        for name, words in CATEGORIES[:5]:
+        for name, words in FUSABLE:
             if any(w in low for w in words):
                 return name
         return "fused elementwise"
