@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmem.slots import SlotCache
+from kvmem.slots import Fence, SlotCache
 from kvmem.swap import SwapSpace
 
 
@@ -58,8 +58,10 @@ class DropSwap:
 KVOp = AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap
 
 
-def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSpace | None = None) -> None:
-    """Replay ``ops`` on ``cache`` (and its swap space) in order."""
+def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSpace | None = None,
+              fence: Fence | None = None) -> None:
+    """Replay ``ops`` on ``cache`` (and its swap space) in order. ``fence``: queued work that may still read the
+    slots these ops free (``SlotCache.free_slot``)."""
     for op in ops:
         match op:
             case Ensure(slot, tokens):
@@ -67,7 +69,7 @@ def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSp
             case AllocSlot(slot, expected):
                 cache.alloc_slot(expected, slot=slot)
             case FreeSlot(slot):
-                cache.free_slot(slot)
+                cache.free_slot(slot, fence)
             case SharePrefix(src, dst, tokens):
                 cache.share_prefix(src, dst, tokens)
             case SwapOut(seq_id, slot, tokens):

@@ -10,10 +10,11 @@ physical pages into virtual buffers, ``PagedKVCache`` writes block-table entries
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Hashable, Self
+from typing import Hashable, Protocol, Self
 
 import torch
 
@@ -24,6 +25,12 @@ from kvmem.stats import Counters, KVCacheStats, PageMap, SlotAccounting
 Page = Hashable
 
 
+class Fence(Protocol):
+    """Work queued on a device (a recorded CUDA event): ``synchronize`` returns once it is done."""
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass
 class SlotState:
     in_use: bool = False
@@ -32,6 +39,8 @@ class SlotState:
     # Tokens the slot's request may grow to (its allocation's expectation, raised by every ``ensure``): pages
     # past it are surplus, left over from a longer request that used the slot before, and may be reclaimed.
     expected: int = 0
+    # Set when the slot was freed while queued work may still read its pages: the first unmap waits for it.
+    fence: Fence | None = None
 
 
 class SlotCache(ABC):
@@ -52,6 +61,7 @@ class SlotCache(ABC):
         self._num_shared = 0  # pages with refcount > 1: while 0, ensure() skips the copy-on-write scan
         self._lock = threading.RLock()
         self._counters = Counters()
+        self._fence_wait_s = 0.0  # time unmaps waited for queued work that read a freed slot
 
     # -- what a subclass provides -------------------------------------------------------------
     @abstractmethod
@@ -159,15 +169,19 @@ class SlotCache(ABC):
             return min(fits, key=lambda i: len(self._slots[i].pages))
         return max(free, key=lambda i: len(self._slots[i].pages))
 
-    def free_slot(self, slot: int) -> None:
+    def free_slot(self, slot: int, fence: Fence | None = None) -> None:
         """Finish with a slot. The virtual cache keeps its pages mapped for reuse (see ``reclaim``).
 
-        Free a slot only once no queued kernel reads it any more: its pages may be unmapped or handed to
-        another request from then on.
+        Its pages may be unmapped or handed to another request from then on, so without a ``fence`` free a slot
+        only once no queued kernel reads it any more. ``fence``: the last queued work that may read it; the
+        slot's pages are unmapped only after it is done (the slot itself may be reused at once: work queued
+        later on the same stream runs after it).
         """
         with self._lock:
             state = self._in_use(slot)
             state.in_use, state.tokens, state.expected = False, 0, 0
+            if fence is not None:
+                state.fence = fence
             if not self.keeps_pages_on_free:
                 self._drop_tail(slot, 0)
 
@@ -261,7 +275,13 @@ class SlotCache(ABC):
             self._num_shared += 1
 
     def _unlink(self, slot: int, index: int) -> None:
-        page = self._slots[slot].pages[index]
+        state = self._slots[slot]
+        if state.fence is not None:  # queued work may still read this slot: unmap nothing before it is done
+            start = time.perf_counter()
+            state.fence.synchronize()
+            self._fence_wait_s += time.perf_counter() - start
+            state.fence = None
+        page = state.pages[index]
         self._detach(slot, index, page)
         count = self._refs[page] - 1
         if count == 1:
@@ -373,6 +393,11 @@ class SlotCache(ABC):
         with self._lock:
             c = self._counters
             return c.maps, c.unmaps, c.stall_seconds
+
+    def fence_wait_seconds(self) -> float:
+        """Seconds unmaps waited so far for queued work that still read a freed slot (``free_slot``'s fence)."""
+        with self._lock:
+            return self._fence_wait_s
 
     def recent_map_latency_us(self, n: int) -> tuple[float, ...]:
         """The latest ``n`` map latency samples (at most what the counters keep)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvmem import AsyncMapper, KVCacheSpec, MappingPlan, PagedKVCache, VirtualKVCache, default_vmm
-from kvmem.ops import AllocSlot, Ensure, apply_ops
+from kvmem.ops import AllocSlot, Ensure, FreeSlot, apply_ops
 from kvmem.swap import SwapSpace
 from worker.attention import get_backend
 from worker.loader import build_model
@@ -164,18 +164,22 @@ class Worker:
             # Mapping waited for: the mapper's plan for the step before (its ensures must not race the operations
             # below), and pages mapped here that it did not map ahead.
             waited = self.mapper.wait(self._in_flight.ahead, record=False) if self._in_flight is not None else 0.0
-            if prev is not None and prev.queued is not None and any(not isinstance(op, (Ensure, AllocSlot)) for op in step.kv_ops):
-                # A freed slot (or swapped, shared) may be unmapped or handed on: only once no queued kernel reads it.
-                prev.queued.synchronize()
+            fence = prev.queued if prev is not None else None
+            if fence is not None and any(not isinstance(op, (Ensure, AllocSlot, FreeSlot)) for op in step.kv_ops):
+                # A swapped or shared slot is copied or remapped at once: only once no queued kernel reads it.
+                fence.synchronize()
             for seq in step.new_seqs:
                 self._seqs[seq.seq_id] = seq
             for seq_id in step.finished_seqs:
                 self._seqs.pop(seq_id, None)
                 self._last.pop(seq_id, None)
-            maps, started = self.cache.counters()[0], time.perf_counter()
-            apply_ops(self.cache, step.kv_ops, self.swap)
+            maps, fenced, started = self.cache.counters()[0], self.cache.fence_wait_seconds(), time.perf_counter()
+            # A freed slot is not waited for here: the queued step (which may still read it) fences its pages,
+            # and only a reclaim that unmaps them waits -- most steps free a slot once requests come and go.
+            apply_ops(self.cache, step.kv_ops, self.swap, fence)
             if self.cache.counters()[0] != maps:
-                waited += time.perf_counter() - started
+                # Waiting for the queued step to finish is no stall (the device is busy); mapping after it is.
+                waited += time.perf_counter() - started - (self.cache.fence_wait_seconds() - fenced)
             if waited and not (prev is not None and prev.running):  # a step still running hid the wait
                 self.cache.add_stall(waited)
                 logger.debug("step %d: %.3f ms stall mapping in the step", step.step, 1e3 * waited)

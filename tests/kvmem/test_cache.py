@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -180,6 +182,85 @@ def test_ensure_reclaims_pages_of_free_slots_when_short(cache_factory):
     assert b != a
     cache.ensure(b, 4 * tpp)  # needs a's deferred pages
     assert len(cache._slots[a].pages) == 0
+    check_invariants(cache)
+
+
+class QueuedRead:
+    """Work still queued on the cache's device that reads a slot: a kernel behind a long sleep on the GPU (its
+    recorded event is the fence), a thread holding the slot's rows on the host until ``release``."""
+
+    def __init__(self, cache, slot: int):
+        self.cache, self.slot = cache, slot
+        if cache.device.type == "cuda":
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device time before the read
+            self.total = cache.k(0)[slot].sum()
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self._go, self.total = threading.Event(), None
+            self._thread = threading.Thread(target=self._read)
+            self._thread.start()
+
+    def _read(self) -> None:
+        self._go.wait()
+        self.total = self.cache.k(0)[self.slot].sum()
+
+    def release(self) -> None:
+        if self.cache.device.type != "cuda":
+            self._go.set()
+
+    def query(self) -> bool:
+        return self.event.query() if self.cache.device.type == "cuda" else not self._thread.is_alive()
+
+    def synchronize(self) -> None:
+        if self.cache.device.type == "cuda":
+            self.event.synchronize()
+        else:
+            self._thread.join()
+
+
+def test_a_fenced_free_slot_is_unmapped_only_after_the_queued_read(cache_factory):
+    """A slot freed while queued work still reads it (async scheduling: the step in flight has its row) is free at
+    once, and reusable at once, but a reclaim that unmaps its pages waits for that work; the read sees the data."""
+    cache = cache_factory(pool_groups=4)
+    tpp = tokens_per_page(cache)
+    a = cache.alloc_slot()
+    cache.ensure(a, 3 * tpp)
+    fill(cache, a, 0, 3 * tpp, tag=2.0)
+    want = cache.k(0)[a].sum().item()
+    read = QueuedRead(cache, a)
+    cache.free_slot(a, fence=read)
+    assert not read.query()  # freeing waited for nothing
+    b = cache.alloc_slot(0)
+    assert b != a
+    reclaim = threading.Thread(target=cache.ensure, args=(b, 4 * tpp))  # needs a's deferred pages
+    reclaim.start()
+    reclaim.join(0.05)
+    assert not read.query() and len(cache._slots[a].pages) == 3
+    if cache.device.type != "cuda":
+        assert reclaim.is_alive(), "the reclaim unmapped a slot that queued work still reads"
+    read.release()
+    reclaim.join()
+    assert read.query() and read.total.item() == want
+    assert len(cache._slots[a].pages) == 0 and cache._slots[a].fence is None
+    check_invariants(cache)
+
+
+def test_a_fenced_slot_is_reused_without_waiting(cache_factory):
+    cache = cache_factory(pool_groups=4)
+    tpp = tokens_per_page(cache)
+    a = cache.alloc_slot(2 * tpp)
+    cache.ensure(a, 2 * tpp)
+    read = QueuedRead(cache, a)
+    cache.free_slot(a, fence=read)
+    assert cache.alloc_slot(2 * tpp) == a  # best fit: its pages are still mapped
+    cache.ensure(a, 2 * tpp)
+    fill(cache, a, 0, 2 * tpp, tag=5.0)  # work queued after the fence (the host: here, now)
+    assert not read.query()
+    read.release()
+    read.synchronize()
+    cache.free_slot(a)
+    assert cache.reclaim(2 * cache.units_per_page) == 2 * cache.units_per_page
     check_invariants(cache)
 
 
