@@ -223,7 +223,9 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {config.dtype!r}")
     layout = config.kv_layout
-    attention = config.attention or (_fastest(layout, model.head_dim) if device == "cuda" else "torch")
+    # FlashAttention's kernels take 16-bit floats only: a float32 engine defaults to the reference attention.
+    flash_dtype = dtype_name in ("bfloat16", "float16")
+    attention = config.attention or (_fastest(layout, model.head_dim) if device == "cuda" and flash_dtype else "torch")
     if attention in IN_PLACE and (layout == "paged" or device != "cuda"):
         raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
     if attention in PAGED_KERNELS and (layout != "paged" or device != "cuda"):
@@ -235,6 +237,9 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if attention in in_place and model.head_dim % 8:
         # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.
         raise ValueError(f"attention {attention!r} needs head_dim a multiple of 8, got {model.head_dim}")
+    if device == "cuda" and (attention in in_place or attention == "paged") and not flash_dtype:
+        raise ValueError(f"attention {attention!r} runs FlashAttention kernels, which take float16 or bfloat16: got "
+                         f"dtype={dtype_name!r} (attention='torch' runs float32)")
     for name in ("map_ahead", "deferred_reclamation"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")

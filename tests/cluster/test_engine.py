@@ -244,6 +244,22 @@ def test_flash_kernels_refuse_a_head_dim_they_would_pad():
         LLM(model, attention="fa2", device="cuda", dtype="float32")
 
 
+@pytest.mark.parametrize("attention", ["fa2", "flash_attn", "paged"])
+def test_flash_kernels_refuse_float32_before_loading(attention):
+    # Seen on the H100: float32 reached torch's FlashAttention at the first step ("only support fp16 and bf16").
+    layout = "paged" if attention == "paged" else "mega"
+    with pytest.raises(ValueError, match=f"attention '{attention}' runs FlashAttention kernels, which take float16 or "
+                                         "bfloat16: got dtype='float32'"):
+        LLM("tiny", attention=attention, kv_layout=layout, device="cuda", dtype="float32")
+
+
+def test_a_float32_engine_on_cuda_defaults_to_the_reference_attention():
+    from cluster.config import EngineConfig, plan
+
+    assert plan(EngineConfig(model="tiny", dtype="float32"), PRESETS["tiny"], "cuda").attention == "torch"
+    assert plan(EngineConfig(model="tiny", dtype="float32", kv_layout="paged"), PRESETS["tiny"], "cuda").attention == "torch"
+
+
 def test_recovery_fails_what_ran_requeues_what_waited_and_keeps_sequence_ids_unique():
     from cluster.errors import WorkerGroupError
 
