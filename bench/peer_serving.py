@@ -171,6 +171,31 @@ def compare(runs: list[dict]) -> tuple[list[str], list[list], dict]:
     return headers, rows, {"levels": data}
 
 
+def plot(levels: list[dict], path: Path, title: str) -> None:
+    """Per load level, both servers: output tok/s, TTFT p50 / p99 and TPOT p50 (``compare``'s levels)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = [level["load"] for level in levels]
+    x = range(len(loads))
+    panels = [("output_tok_s", "output tok/s", 1), ("ttft_s:p50", "TTFT p50 (ms)", 1e3), ("ttft_s:p99", "TTFT p99 (ms)", 1e3),
+              ("tpot_s:p50", "TPOT p50 (ms)", 1e3)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
+    for ax, (key, label, scale) in zip(axes, panels):
+        for offset, side in ((-0.2, "vattn"), (0.2, "vllm")):
+            ax.bar([i + offset for i in x], [scale * (level[side][key] or 0) for level in levels], width=0.4,
+                   label="vattn" if side == "vattn" else "vLLM")
+        ax.set_xticks(list(x), loads, fontsize=7)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3-8b", help="a preset: its shape, random weights in both servers")
@@ -192,7 +217,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/vattn_peer_serving"))
     parser.add_argument("--name", default="peer_serving")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
+    parser.add_argument("--replot", type=Path, help="draw the figure of a results file again, and run nothing")
     args = parser.parse_args()
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        plot(data["levels"], args.replot.with_suffix(".png"), f"{data['device']}, {data['date'][:10]}")
+        return
     args.work.mkdir(parents=True, exist_ok=True)
     model = write_model_dir(args.model, args.work)
     runs = []
@@ -202,8 +232,10 @@ def main() -> None:
         except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
             print(f"--- [{index}] {side} FAILED: {exc}", flush=True)
     headers, rows, data = compare(runs) if {r["side"] for r in runs} == {"vattn", "vllm"} else ([], [], {})
-    report.write(args.name, headers, rows, data | {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs},
-                 args.out)
+    path = report.write(args.name, headers, rows, data | {"args": {k: str(v) for k, v in vars(args).items()},
+                                                          "runs": runs}, args.out)
+    if data:
+        plot(data["levels"], path.with_suffix(".png"), f"vattn serve vs vllm serve, {args.model}")
 
 
 if __name__ == "__main__":

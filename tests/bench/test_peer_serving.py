@@ -32,7 +32,7 @@ def level(concurrency, tok_s, ttft50, ttft99, tpot50, errors=0, rate=None):
             "ttft_s": {"p50": ttft50, "p99": ttft99}, "tpot_s": {"p50": tpot50}}
 
 
-def test_sides_are_compared_level_by_level_over_their_runs():
+def test_sides_are_compared_level_by_level_over_their_runs(tmp_path):
     def run(side, tok_s):
         return {"side": side, "ours": {"levels": [level(16, tok_s, 0.1, 0.3, 0.01), level(1024, tok_s / 2, 0.2, 0.5,
                                                                                            0.02, rate=4.0)]}}
@@ -42,3 +42,6 @@ def test_sides_are_compared_level_by_level_over_their_runs():
     assert headers[:4] == ["load", "vattn tok/s", "vLLM tok/s", "vattn / vLLM"]
     assert rows[0][:4] == ["16 clients", 1000, 1000, 1.0] and rows[1][0] == "4/s"
     assert data["levels"][1]["vattn_over_vllm"]["ttft_s:p50"] == 1.0
+    # The figure draws both servers' bars at every level, whatever the levels' units.
+    peer_serving.plot(data["levels"], tmp_path / "peer.png", "test")
+    assert (tmp_path / "peer.png").stat().st_size > 10_000
