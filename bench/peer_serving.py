@@ -104,7 +104,7 @@ def our_clients(label: str, model: Path, args) -> dict:
     subprocess.run([sys.executable, str(HERE / "serving.py"), "--url", f"http://127.0.0.1:{PORT}", "--served-name",
                     SERVED, "--concurrency", *map(str, args.concurrency), "--rates", *map(str, args.rates),
                     "--rounds", str(args.rounds), "--input", str(args.input), "--output", str(args.output),
-                    "--vocab", str(args.vocab), "--name", name, "--out", str(args.work)], check=True)
+                    "--vocab", str(args.vocab), "--name", name, "--out", str(args.work), "--engine-metrics"], check=True)
     return json.loads((args.work / f"{name}.json").read_text())
 
 

@@ -43,6 +43,38 @@ class Sample:
     error: str | None = None
 
 
+#: The server's own latency histograms (vLLM's names; vattn's carry its prefix instead of ``vllm:``).
+ENGINE_HISTOGRAMS = ("time_to_first_token_seconds", "request_queue_time_seconds", "e2e_request_latency_seconds")
+
+
+def engine_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of ``ENGINE_HISTOGRAMS`` in a Prometheus exposition, over all its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        name = family.name.rpartition(":")[2]
+        if name not in ENGINE_HISTOGRAMS:
+            continue
+        total, count = totals.get(name, (0.0, 0.0))
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
+        totals[name] = (total, count)
+    return totals
+
+
+def engine_means(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean seconds of each server histogram over the requests between two ``engine_totals``."""
+    means = {}
+    for name in ENGINE_HISTOGRAMS:
+        (s0, c0), (s1, c1) = before.get(name, (0.0, 0.0)), after.get(name, (0.0, 0.0))
+        means[name] = (s1 - s0) / (c1 - c0) if c1 > c0 else None
+    return means
+
+
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
     s, start, last = Sample(), time.perf_counter(), None
     try:
@@ -178,6 +210,8 @@ def main() -> None:
     p.add_argument("--output", type=int, default=64, help="output tokens")
     p.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-metrics", action="store_true",
+                   help="also scrape the server's /metrics around each level: its own mean TTFT, queue time and e2e")
     p.add_argument("--name", default="serving")
     p.add_argument("--out", type=Path, default=report.RESULTS)
     args = p.parse_args()
@@ -187,10 +221,19 @@ def main() -> None:
     asyncio.run(level(url, name, [[rng.randrange(args.vocab) for _ in range(args.input)]] * 4, args.output, 4, args.api_key))  # warm-up
     loads = [(c, None, args.requests or max(16, args.rounds * c)) for c in args.concurrency]
     loads += [(1024, rate, max(16, round(rate * args.rate_seconds))) for rate in args.rates]
+    def metrics() -> dict:
+        return engine_totals(httpx.get(f"{url}/metrics", timeout=30).text)
+
     for c, rate, n in loads:
         prompts = [[rng.randrange(args.vocab) for _ in range(args.input)] for _ in range(n)]
+        before = metrics() if args.engine_metrics else None
         levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key, rate)))
         r = levels[-1]
+        if before is not None:
+            # What the engine saw against what the client saw: the difference is the serving path's.
+            r["engine_mean_s"] = engine_means(before, metrics())
+            print(f"  engine-side means: {json.dumps({k: v and round(v, 4) for k, v in r['engine_mean_s'].items()})}; "
+                  f"client TTFT mean {r['ttft_s']['mean']:.4f} s, e2e mean {r['e2e_s']['mean']:.4f} s", file=sys.stderr)
         print(f"{f'{rate:g} req/s' if rate else f'{c} clients'}: {r['requests']} requests in {r['wall_s']:.1f} s, "
               f"{r['output_tok_s']:.0f} output tok/s, {r['errors']} errors", file=sys.stderr, flush=True)
     ms = lambda x: None if x is None else round(1e3 * x, 1)  # noqa: E731
