@@ -24,6 +24,7 @@ class MappingPlan:
     _pending: int = field(init=False, repr=False)
     _errors: list[BaseException] = field(default_factory=list, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _order: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -35,6 +36,16 @@ class MappingPlan:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def _run_next(self, cache: SlotCache) -> bool:
+        """Run the next item; False when none is left. One at a time in the plan's order, whichever thread: an
+        ensure may reclaim pages, and every worker must reclaim the ones the scheduler's ledger did, in its order."""
+        with self._order:
+            index = self._claim()
+            if index is None:
+                return False
+            self._run(cache, index)
+            return True
 
     def _claim(self) -> int | None:
         with self._lock:
@@ -76,8 +87,8 @@ class AsyncMapper:
 
     def _loop(self) -> None:
         while (plan := self._queue.get()) is not None:
-            while (index := plan._claim()) is not None:
-                plan._run(self._cache, index)
+            while plan._run_next(self._cache):
+                pass
 
     def submit(self, plan: MappingPlan) -> MappingPlan:
         """Queue ``plan`` for the mapper thread; returns it for ``wait``."""
@@ -96,8 +107,8 @@ class AsyncMapper:
         waited = 0.0
         if not plan.done:
             start = time.perf_counter()
-            while (index := plan._claim()) is not None:
-                plan._run(self._cache, index)
+            while plan._run_next(self._cache):
+                pass
             plan._done.wait()
             waited = time.perf_counter() - start
             if record:

@@ -39,6 +39,27 @@ def test_wait_runs_what_the_thread_has_not_started_and_counts_the_stall(cache_fa
     mapper.close()
 
 
+def test_a_plans_ensures_run_one_at_a_time_in_its_order_whoever_runs_them(cache_factory):
+    """An ensure may reclaim pages, and a worker must reclaim what its scheduler's ledger did, in the ledger's order:
+    a ``wait`` that joins the mapper thread takes the next item only once the one before it is done."""
+    cache = cache_factory()
+    tpp = tokens_per_page(cache)
+    slots = [cache.alloc_slot() for _ in range(3)]
+    mapper = AsyncMapper(cache)
+    with cache._lock:  # the thread takes item 0 and blocks in it
+        plan = mapper.submit(MappingPlan({s: tpp for s in slots}))
+        while plan._next == 0:
+            time.sleep(0.001)
+        waiter = threading.Thread(target=mapper.wait, args=(plan,))
+        waiter.start()
+        time.sleep(0.05)
+        assert plan._next == 1, "wait() started item 1 while item 0 was still running"
+    waiter.join()
+    assert [cache.num_tokens(s) for s in slots] == [tpp] * 3
+    mapper.close()
+    check_invariants(cache)
+
+
 def test_error_in_plan_surfaces_in_wait(cache_factory):
     cache = cache_factory(pool_groups=2)
     tpp = tokens_per_page(cache)
