@@ -6,7 +6,7 @@ import torch
 
 from kvmem.errors import KVCacheExhausted
 from kvmem.ops import AllocSlot, Ensure, FreeSlot, KVOp, SharePrefix
-from kvmem.slots import NumberedSlotCache
+from kvmem.slots import Fence, NumberedSlotCache
 from kvmem.spec import KVCacheSpec
 
 
@@ -32,8 +32,8 @@ class PageLedger(NumberedSlotCache):
         self._ops.append(AllocSlot(slot, expected_tokens))
         return slot
 
-    def free_slot(self, slot: int) -> None:
-        super().free_slot(slot)
+    def free_slot(self, slot: int, fence: Fence | None = None) -> None:
+        super().free_slot(slot, fence)
         self._ops.append(FreeSlot(slot))
 
     def ensure(self, slot: int, num_tokens: int) -> None:

@@ -20,17 +20,18 @@ class MappingPlan:
     eager_tokens: int = 0
     eager_slots: int = 0
     _items: list[tuple[int, int]] = field(init=False, repr=False)
-    _next: int = field(default=0, init=False, repr=False)
-    _pending: int = field(init=False, repr=False)
+    _total: int = field(init=False, repr=False)  # the ensures, and the eager mapping if any
+    _next: int = field(default=0, init=False, repr=False)  # items started
     _errors: list[BaseException] = field(default_factory=list, init=False, repr=False)
+    # Held while an item runs: one at a time, in the plan's order, whichever thread runs it -- an ensure may reclaim
+    # pages, and every worker must reclaim the ones its scheduler's ledger did, in the ledger's order.
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-    _order: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._items = list(self.needs.items())
-        self._pending = len(self._items) + (1 if self.eager_slots else 0)
-        if not self._pending:
+        self._total = len(self._items) + (1 if self.eager_slots else 0)
+        if not self._total:
             self._done.set()
 
     @property
@@ -38,35 +39,22 @@ class MappingPlan:
         return self._done.is_set()
 
     def _run_next(self, cache: SlotCache) -> bool:
-        """Run the next item; False when none is left. One at a time in the plan's order, whichever thread: an
-        ensure may reclaim pages, and every worker must reclaim the ones the scheduler's ledger did, in its order."""
-        with self._order:
-            index = self._claim()
-            if index is None:
+        """Run the next item; False when none is left."""
+        with self._lock:
+            index = self._next
+            if index >= self._total:
                 return False
-            self._run(cache, index)
-            return True
-
-    def _claim(self) -> int | None:
-        with self._lock:
-            if self._next >= len(self._items) + (1 if self.eager_slots else 0):
-                return None
             self._next += 1
-            return self._next - 1
-
-    def _run(self, cache: SlotCache, index: int) -> None:
-        try:
-            if index < len(self._items):
-                cache.ensure(*self._items[index])
-            else:
-                cache.eager_map(self.eager_tokens, self.eager_slots)  # type: ignore[attr-defined]
-        except BaseException as exc:  # surfaces in wait(); never lost in the thread
-            with self._lock:
+            try:
+                if index < len(self._items):
+                    cache.ensure(*self._items[index])
+                else:
+                    cache.eager_map(self.eager_tokens, self.eager_slots)  # type: ignore[attr-defined]
+            except BaseException as exc:  # surfaces in wait(); never lost in the thread
                 self._errors.append(exc)
-        with self._lock:
-            self._pending -= 1
-            if self._pending == 0:
+            if self._next == self._total:
                 self._done.set()
+            return True
 
 
 class AsyncMapper:
