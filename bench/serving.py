@@ -154,7 +154,9 @@ def start_server(args) -> tuple[str, str]:
     from ray import serve
 
     from server.app import app_builder
+    from server.serve_env import local_cluster_env
 
+    local_cluster_env()  # the data plane `vattn serve` uses
     ray.init(num_cpus=max(os.cpu_count() or 1, 2 + args.ingress_replicas), include_dashboard=False, log_to_driver=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -52,6 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.config import model_config, plan
     from server.app import app_builder
     from server.args import ServeArgs
+    from server.serve_env import local_cluster_env
 
     try:
         serve_args = ServeArgs.parse(dict(
@@ -72,6 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"vattn: error: {exc}", file=sys.stderr)
         return 2
     if not os.environ.get("RAY_ADDRESS"):
+        local_cluster_env()  # before Ray starts: its processes read it
         # Logical CPUs for the ingress replicas, and per engine replica one for it and one per worker, however few cores.
         needed = args.ingress_replicas + args.num_replicas * (1 + args.tp * args.pp)
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)

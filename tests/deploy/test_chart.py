@@ -12,8 +12,8 @@ import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
+import ray
 import yaml
-from ray import serve
 from ray._common.utils import import_attr
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
@@ -21,6 +21,8 @@ from ray.serve.schema import ServeDeploySchema
 helm = pytest.importorskip("helm_python")
 
 from cluster.config import EngineConfig, model_config, plan  # noqa: E402
+from server.engine import scheduler_actors  # noqa: E402
+from server.serve_env import THROUGHPUT_ENV  # noqa: E402
 from tests.server.conftest import serving  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
@@ -118,6 +120,13 @@ def test_a_replica_pod_asks_for_tp_times_pp_gpus_and_the_serve_config_says_so():
     assert args["model"] == "/models/yi-34b-chat" and args["kv_memory"] == "30GiB" and "kv_memory_fraction" not in args
 
 
+def test_every_ray_pod_runs_serve_on_the_data_plane_vattn_serve_uses():
+    rayservice = one(render({}), "RayService")["spec"]["rayClusterConfig"]
+    for pod in [rayservice["headGroupSpec"]] + rayservice["workerGroupSpecs"]:
+        env = {e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
+        assert {k: env.get(k) for k in THROUGHPUT_ENV} == THROUGHPUT_ENV
+
+
 def test_by_default_the_kv_pool_is_a_fraction_of_what_the_weights_leave():
     (app,) = yaml.safe_load(one(render({}), "RayService")["spec"]["serveConfigV2"])["applications"]
     assert app["args"]["kv_memory_fraction"] == 0.9 and "kv_memory" not in app["args"]
@@ -172,6 +181,7 @@ def test_the_rendered_serve_config_serves_on_cpu():
                        json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
-        (worker,) = serve.get_deployment_handle("VattnEngine", app_name=app.name).snapshot.remote().result().workers
+        (scheduler,) = scheduler_actors().values()
+        (worker,) = ray.get(scheduler.snapshot.remote()).workers
         spec = plan(EngineConfig("tiny", max_num_seqs=16, max_model_len=256, page_size=4096), model_config("tiny"), "cpu").ledger_spec
         assert worker.total_pages == 16 * spec.pages_for(256)  # 0.9 of the host's memory, stopped at 16 full slots

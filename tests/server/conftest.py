@@ -13,6 +13,7 @@ from ray.serve import Application
 
 from cluster.config import EngineConfig
 from server.app import AppConfig, build_app
+from server.serve_env import local_cluster_env
 
 
 def free_port() -> int:
@@ -23,7 +24,9 @@ def free_port() -> int:
 
 @contextmanager
 def serving(build: Callable[[], Application], num_cpus: int = 4, **run) -> Iterator[str]:
-    """Start Ray and Serve, run the application ``build()`` makes (after Ray is up), yield its base URL."""
+    """Start Ray and Serve (the data plane ``vattn serve`` uses), run the application ``build()`` makes (after Ray is
+    up), yield its base URL."""
+    local_cluster_env()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()

@@ -8,14 +8,15 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 import ray
-from ray import serve
 
 from cluster.config import EngineConfig
 from cluster.engine import LLM
 from server.api import ServerSettings
 from server.app import AppConfig, build_app
+from server.engine import scheduler_actors
 from tests.server.conftest import serving
 from worker.sampling import SamplingParams
 
@@ -42,7 +43,17 @@ def local():
 
 
 def engine_snapshot():
-    return serve.get_deployment_handle("VattnEngine", app_name="default").snapshot.remote().result()
+    # From the scheduler actor: a Serve handle's .result() needs the router's own loop, which the throughput-optimized
+    # data plane (server.serve_env) does not give a driver.
+    (scheduler,) = scheduler_actors().values()
+    return ray.get(scheduler.snapshot.remote())
+
+
+def test_the_port_is_haproxys_forwarding_to_the_ingress_replicas_own_server(url):
+    # The throughput-optimized data plane (server.serve_env) is in effect: no Python proxy in front of the ingress.
+    port = int(url.rsplit(":", 1)[1])
+    (listener,) = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert psutil.Process(listener.pid).name() == "haproxy"
 
 
 def test_greedy_completion_and_chat_equal_the_engine(client, local):

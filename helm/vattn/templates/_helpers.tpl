@@ -69,6 +69,10 @@ applications:
 - name: {{ $name }}
   value: {{ $value | quote }}
 {{- end }}
+{{- range $name, $value := .Values.serveEnv }}
+- name: {{ $name }}
+  value: {{ $value | quote }}
+{{- end }}
 {{- range $name, $value := .Values.extraEnv }}
 - name: {{ $name }}
   value: {{ $value | quote }}
