@@ -25,6 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tabulate import tabulate
+
 import report
 from peer import HERE, hf_config
 
@@ -120,15 +122,36 @@ def vllm_clients(label: str, model: Path, args) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_")} | {"PYTHONPATH": args.vllm_site}
     for c in args.concurrency:
         name = f"{label}_vllm_client_{c}.json"
-        subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+        done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
                         "--base-url", f"http://127.0.0.1:{PORT}", "--model", SERVED, "--tokenizer", str(model),
                         "--dataset-name", "random", "--random-input-len", str(args.input), "--random-output-len",
                         str(args.output), "--num-prompts", str(max(16, args.rounds * c)), "--max-concurrency", str(c),
                         "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
                         "--save-result", "--result-dir", str(args.work), "--result-filename", name],
-                       env=env, check=True)
+                       env=env)
+        if done.returncode != 0:  # the second client's failure must not lose the first one's numbers
+            print(f"--- {label}: vllm bench serve at {c} clients exited with {done.returncode}", flush=True)
+            out.append({"concurrency": c, "error": done.returncode})
+            continue
         out.append(json.loads((args.work / name).read_text()) | {"concurrency": c})
     return out
+
+
+def vllm_client_table(runs: list[dict]) -> tuple[list[str], list[list]]:
+    """``vllm bench serve``'s view, per concurrency: each side's mean output tok/s and median TTFT / TPOT."""
+    rows = []
+    concurrencies = sorted({c["concurrency"] for r in runs for c in r.get("vllm_client", ())})
+    for c in concurrencies:
+        row = [c]
+        for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
+            means = {}
+            for side in ("vattn", "vllm"):
+                values = [x[key] for r in runs if r["side"] == side for x in r.get("vllm_client", ())
+                          if x["concurrency"] == c and key in x]
+                means[side] = statistics.mean(values) if values else None
+            row += [means["vattn"], means["vllm"]]
+        rows.append(row)
+    return ["clients", "tok/s vattn", "vLLM", "TTFT p50 ms vattn", "vLLM", "TPOT p50 ms vattn", "vLLM"], rows
 
 
 def run_side(side: str, index: int, model: Path, args) -> dict:
@@ -238,10 +261,15 @@ def main() -> None:
         except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
             print(f"--- [{index}] {side} FAILED: {exc}", flush=True)
     headers, rows, data = compare(runs) if {r["side"] for r in runs} == {"vattn", "vllm"} else ([], [], {})
+    if args.vllm_client:
+        client_headers, client_rows = vllm_client_table(runs)
+        print("the same servers driven by `vllm bench serve`:\n" + tabulate(client_rows, client_headers, floatfmt=".3f"))
+        data["vllm_client_table"] = {"headers": client_headers, "rows": client_rows}
     path = report.write(args.name, headers, rows, data | {"args": {k: str(v) for k, v in vars(args).items()},
                                                           "runs": runs}, args.out)
     if data:
         plot(data["levels"], path.with_suffix(".png"), f"vattn serve vs vllm serve, {args.model}")
+
 
 
 if __name__ == "__main__":

@@ -45,3 +45,16 @@ def test_sides_are_compared_level_by_level_over_their_runs(tmp_path):
     # The figure draws both servers' bars at every level, whatever the levels' units.
     peer_serving.plot(data["levels"], tmp_path / "peer.png", "test")
     assert (tmp_path / "peer.png").stat().st_size > 10_000
+
+
+def test_vllm_clients_view_is_averaged_per_side_and_a_failed_level_is_left_out():
+    def run(side, tok_s, failed=False):
+        levels = [{"concurrency": 16, "output_throughput": tok_s, "median_ttft_ms": 20.0, "median_tpot_ms": 7.0},
+                  {"concurrency": 64, "error": 1} if failed else
+                  {"concurrency": 64, "output_throughput": 2 * tok_s, "median_ttft_ms": 40.0, "median_tpot_ms": 9.0}]
+        return {"side": side, "vllm_client": levels}
+
+    headers, rows = peer_serving.vllm_client_table([run("vattn", 900), run("vllm", 1000), run("vllm", 1200),
+                                                    run("vattn", 1100, failed=True)])
+    assert headers[:3] == ["clients", "tok/s vattn", "vLLM"]
+    assert rows == [[16, 1000, 1100, 20.0, 20.0, 7.0, 7.0], [64, 1800, 2200, 40.0, 40.0, 9.0, 9.0]]
