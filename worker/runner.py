@@ -10,7 +10,7 @@ from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep,
 from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
 from worker.rope import rope_cache, rope_for
-from worker.sampling import SampledToken, SamplingParams, draw
+from worker.sampling import SampledToken, SamplingParams, noise_keys, sample
 from worker.staging import to_device
 
 
@@ -220,30 +220,45 @@ class ModelRunner:
         return self.model(inputs, rope, AttentionStep(self.cache, self.backend, meta))
 
     def _sample(self, chunks: tuple[ScheduledChunk, ...], wanted: tuple[int, ...], logits: torch.Tensor) -> LaunchedStep:
-        # Greedy rows take one batched argmax; the others draw on the device, row by row; logprobs are worked
-        # out on the device too: nothing waits for the device before the step's result is read.
+        # Greedy rows take one batched argmax, the others one batched draw (``sample``: each row's parameters and
+        # noise, no loop over rows on the device); logprobs are worked out on the device too: nothing waits for the
+        # device before the step's result is read.
         tokens = logits.argmax(-1)
-        more, later, drawn_by_row = [], [], {}
+        # Every draw by (row, sample k): index ``row`` of ``tokens`` for k = 0 and for a greedy row's repeats,
+        # index ``len(tokens) + d`` of the drawn tokens otherwise.
+        draw_rows, draw_params, draw_keys, first_draws = [], [], [], []
+        more, later_at, at_by_row = [], [], {}
         for row, i in enumerate(wanted):
             c = chunks[i]
             if c.params.greedy:
-                drawn_by_row[row] = [tokens[row]] * c.num_samples
+                at_by_row[row] = [row] * c.num_samples
                 continue
-            drawn = [draw(logits[row], c.params, c.sample_index + k, c.output_index, c.seed) for k in range(c.num_samples)]
-            tokens[row] = drawn[0]
-            drawn_by_row[row] = drawn
-            if len(drawn) > 1:
-                more.append((row, len(drawn) - 1))
-                later += drawn[1:]
+            first = len(draw_rows)
+            first_draws.append(first)
+            for k in range(c.num_samples):
+                draw_rows.append(row)
+                draw_params.append(c.params)
+                draw_keys.append(noise_keys(c.seed, c.sample_index + k, c.output_index))
+            at_by_row[row] = [row] + [len(tokens) + first + k for k in range(1, c.num_samples)]
+            if c.num_samples > 1:
+                more.append((row, c.num_samples - 1))
+                later_at += at_by_row[row][1:]
+        every = tokens
+        if draw_rows:
+            drawn = sample(logits[to_device(torch.tensor(draw_rows), logits.device)], draw_params, draw_keys)
+            firsts = [draw_rows[d] for d in first_draws]
+            tokens[to_device(torch.tensor(firsts), logits.device)] = drawn[to_device(torch.tensor(first_draws), logits.device)]
+            every = torch.cat([tokens, drawn])
+        later = every[to_device(torch.tensor(later_at), logits.device)] if later_at else None
         logprob_rows = tuple(row for row, i in enumerate(wanted) if chunks[i].params.logprobs is not None)
         chosen = top_values = top_ids = None
         if logprob_rows:
             rows = to_device(torch.tensor(logprob_rows), logits.device)
             logp = logits[rows].log_softmax(-1)
-            draws = [(j, t) for j, row in enumerate(logprob_rows) for t in drawn_by_row[row]]
+            draws = [(j, a) for j, row in enumerate(logprob_rows) for a in at_by_row[row]]
             at = to_device(torch.tensor([j for j, _ in draws]), logits.device)
-            chosen = logp[at, torch.stack([t for _, t in draws])]
+            chosen = logp[at, every[to_device(torch.tensor([a for _, a in draws]), logits.device)]]
             top_values, top_ids = torch.topk(logp, max(chunks[wanted[r]].params.logprobs for r in logprob_rows))
-        device_side = (tokens, torch.stack(later) if later else None, chosen, top_values, top_ids)
+        device_side = (tokens, later, chosen, top_values, top_ids)
         host = device_side if tokens.device.type != "cuda" else tuple(t if t is None else _to_pinned(t) for t in device_side)
         return LaunchedStep(chunks, wanted, tokens, tuple(more), logprob_rows, host)

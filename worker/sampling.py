@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from worker import kernels
+from worker.staging import to_device
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
@@ -62,29 +66,40 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
 
 
-def _generator(seed: int, sample_index: int, output_index: int, device: torch.device) -> torch.Generator:
-    # One stream per (request seed, parallel sample, output position): independent of batch and history.
-    mixed = (seed * 0x9E3779B1 + sample_index * 0x85EBCA77 + output_index * 0xC2B2AE3D) % (1 << 63)
-    return torch.Generator(device=device).manual_seed(mixed)
+def noise_keys(seed: int, sample_index: int, output_index: int) -> tuple[int, int]:
+    """The two words naming one draw's noise (``kernels.gumbel_argmax``): one stream per (request seed, parallel
+    sample, output position) -- independent of the batch, the step and the rank that draws it."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + output_index * 0x94D049BB133111EB) % (1 << 64)
+    # splitmix64's finalizer: nearby (seed, sample, position) triples give unrelated words
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    x ^= x >> 31
+    return x & 0xFFFFFFFF, x >> 32
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, sample_index: int, output_index: int, seed: int) -> torch.Tensor:
-    """One token id from ``logits`` ``[vocab]`` (float32) under ``params``, as a 0-dim tensor on their device:
-    nothing waits for the device, so the next step can be launched with it before anyone reads it."""
-    if params.greedy:
-        return torch.argmax(logits)
-    scaled = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """One token id per row of ``logits`` ``[rows, vocab]`` (float32), drawn under that row's ``params`` (none
+    greedy) with the noise its ``keys`` name (``noise_keys``), for the whole batch at once and on the device:
+    nothing waits for the device, so the next step can be launched with the result before anyone reads it."""
+    device = logits.device
+    temperature = to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), device)
+    key_words = to_device(torch.tensor(keys, dtype=torch.int64).reshape(len(params), 2), device)
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if not any(top_k) and all(p == 1.0 for p in top_p):
+        return kernels.gumbel_argmax(logits, temperature, key_words)
+    scaled = logits / temperature[:, None]
+    if any(top_k):
+        vocab = scaled.shape[-1]
+        k = to_device(torch.tensor([min(k, vocab) if k else vocab for k in top_k]), device)
+        kth = torch.topk(scaled, int(k.max())).values.gather(1, (k - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
+    if any(p < 1.0 for p in top_p):
+        p = to_device(torch.tensor(top_p, dtype=torch.float32), device)
         sorted_logits, order = torch.sort(scaled, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the token that crosses top_p
-        drop[0] = False  # and the likeliest always: rounding must not leave nothing to draw from
-        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = scaled.softmax(-1)
-    # torch.multinomial's own draw for one sample (the same token for the same generator), without its input
-    # checks, which read values back from the device and so wait for everything queued before them.
-    q = torch.empty_like(probs).exponential_(1, generator=_generator(seed, sample_index, output_index, logits.device))
-    return (probs / q).argmax()
+        # keep the token that crosses top_p, and a row without top_p whole (its cumsum may round past 1)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= p[:, None]) & (p < 1.0)[:, None]
+        drop[:, 0] = False  # and the likeliest always: rounding must not leave nothing to draw from
+        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return kernels.gumbel_argmax(scaled, torch.ones_like(temperature), key_words)

@@ -104,10 +104,11 @@ def test_hf_tokenizer_and_chat_template(tmp_path):
 
 def test_vanishing_temperature_and_top_p_still_draw_a_token():
     """(Found by the API sweep: temperature 5e-324 made logits / temperature inf and the worker's softmax NaN.)"""
-    from worker.sampling import SamplingParams, draw
+    from worker.sampling import SamplingParams, noise_keys, sample
 
-    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
     for t in (5e-324, 1e-300, 1e-6):
-        assert int(draw(logits, SamplingParams(temperature=t), 0, 0, seed=1)) == 1
+        params = SamplingParams(temperature=t)
+        assert params.greedy and int(logits.argmax()) == 1  # such rows never reach the sampler
     for p in (5e-324, 1e-30):  # a vanishing top_p keeps the likeliest token, never none
-        assert int(draw(logits, SamplingParams(top_p=p), 0, 0, seed=1)) == 1
+        assert sample(logits, [SamplingParams(top_p=p)], [noise_keys(1, 0, 0)]).tolist() == [1]

@@ -1,0 +1,46 @@
+"""The batched sampler (``worker.sampling.sample``) on CPU: the distribution it draws from, top-k / top-p, and
+draws that depend only on what names them (the seed, the sample, the position), never on the rest of the batch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from worker.sampling import SamplingParams, noise_keys, sample
+
+
+def draw_many(logits_row: list[float], params: SamplingParams, count: int) -> torch.Tensor:
+    logits = torch.tensor([logits_row] * count)
+    return sample(logits, [params] * count, [noise_keys(3, 0, position) for position in range(count)])
+
+
+def test_draws_follow_softmax_of_the_logits_over_temperature():
+    probs = [0.5, 0.3, 0.15, 0.05]
+    for temperature in (1.0, 0.5):
+        tokens = draw_many([math.log(p) * temperature for p in probs], SamplingParams(temperature=temperature), 40_000)
+        freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
+        assert torch.allclose(freq, torch.tensor(probs, dtype=torch.double), atol=0.01), freq
+
+
+def test_top_k_and_top_p_leave_only_their_tokens_and_spare_the_other_rows():
+    row = [math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]
+    assert set(draw_many(row, SamplingParams(top_k=2), 4000).tolist()) == {0, 1}
+    assert set(draw_many(row, SamplingParams(top_p=0.65), 4000).tolist()) == {0, 1}  # 0.4 + 0.3 crosses 0.65
+    # In one batch: a top-k row, a top-p row and a plain row; the plain one draws what it draws alone.
+    plain, keys = SamplingParams(), [noise_keys(5, 0, p) for p in range(3)]
+    batch = sample(torch.tensor([row] * 3), [SamplingParams(top_k=1), SamplingParams(top_p=0.1), plain], keys)
+    alone = sample(torch.tensor([row]), [plain], keys[2:])
+    assert batch.tolist()[:2] == [0, 0] and batch[2] == alone[0]
+
+
+def test_a_draw_depends_on_its_seed_sample_and_position_only():
+    torch.manual_seed(0)
+    logits = torch.randn(32, 1000)
+    params = [SamplingParams(temperature=0.8, top_k=50 if r % 3 == 0 else 0) for r in range(32)]
+    keys = [noise_keys(r, r % 2, 7) for r in range(32)]
+    whole = sample(logits, params, keys)
+    assert [int(sample(logits[r : r + 1], params[r : r + 1], keys[r : r + 1])) for r in range(32)] == whole.tolist()
+    # and the keys tell draws apart: another position (or seed) draws other tokens
+    other = sample(logits, params, [noise_keys(r, r % 2, 8) for r in range(32)])
+    assert (other != whole).sum() >= 16
