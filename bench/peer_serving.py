@@ -242,6 +242,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="vattn's")
     parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
     parser.add_argument("--sides", nargs="+", default=["vattn", "vllm"], choices=["vattn", "vllm"])
+    parser.add_argument("--once", action="store_true", help="each side once (A B), not A B B A: when device time is short")
     parser.add_argument("--start-timeout", type=float, default=420)
     parser.add_argument("--work", type=Path, default=Path("/tmp/vattn_peer_serving"))
     parser.add_argument("--name", default="peer_serving")
@@ -255,7 +256,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     model = write_model_dir(args.model, args.work)
     runs = []
-    for index, side in enumerate(args.sides + args.sides[::-1]):
+    for index, side in enumerate(args.sides if args.once else args.sides + args.sides[::-1]):
         try:
             runs.append(run_side(side, index, model, args))
         except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
