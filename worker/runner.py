@@ -160,12 +160,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_logits(self) -> None:
-        """The LM head once at each row count eager steps pad their logits to. cuBLAS chooses and loads a
-        kernel the first time it sees a shape: 0.24-0.32 s for each of six new row counts in a W1 run's first
-        engine on the H100, which held the host up while the GPU ran dry."""
+        """The LM head once at each row count eager steps pad their logits to, then the sampler. cuBLAS chooses
+        and loads a kernel the first time it sees a shape: 0.24-0.32 s for each of six new row counts in a W1 run's
+        first engine on the H100, which held the host up while the GPU ran dry."""
         h = torch.zeros(BATCH_BUCKETS[-1], self.model.config.hidden_size, dtype=self._dtype, device=self.device)
         for rows in BATCH_BUCKETS:
-            self.model.logits(h[:rows])
+            logits = self.model.logits(h[:rows])
+        # And the sampler's kernels, both paths: Triton compiles the draw's the first time it runs, which would
+        # otherwise stall the first step that samples a request (and every request batched with it).
+        for params in (SamplingParams(), SamplingParams(top_k=2, top_p=0.5)):
+            sample(logits[:2], [params] * 2, [noise_keys(0, 0, 0)] * 2)
 
     def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepOutput:
         """Run ``plan``; ``inputs`` are the previous pipeline stage's hidden states (none on the first)."""
