@@ -125,7 +125,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: tor
                                     v_rows.stride(0), n, BLOCK=triton.next_power_of_2(n))
 
 
-
 # -- sampling -------------------------------------------------------------------------------------
 # A draw is the Gumbel-max trick, argmax(logits / T + Gumbel noise), which is a draw from softmax(logits / T), with
 # the noise a hash of (the row's two key words, the token id): a pure function of what names the draw, so a seeded
@@ -164,6 +163,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
         _gumbel_argmax_kernel[(rows,)](logits, temperature, keys.contiguous(), out, logits.stride(0), vocab,
                                        BLOCK=4096)
     return out
+
 
 if triton is not None:
 

@@ -90,10 +90,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
         return kernels.gumbel_argmax(logits, temperature, key_words)
     scaled = logits / temperature[:, None]
     if any(top_k):
-        vocab = scaled.shape[-1]
-        k = to_device(torch.tensor([min(k, vocab) if k else vocab for k in top_k]), device)
-        kth = torch.topk(scaled, int(k.max())).values.gather(1, (k - 1)[:, None])
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        # The largest k on the host (reading it from the device would wait for the step); rows without top-k keep all.
+        k_host = [min(k, scaled.shape[-1]) for k in top_k]
+        k = to_device(torch.tensor(k_host), device)[:, None]
+        kth = torch.topk(scaled, max(k_host)).values.gather(1, (k - 1).clamp(min=0))
+        scaled = scaled.masked_fill((scaled < kth) & (k > 0), float("-inf"))
     if any(p < 1.0 for p in top_p):
         p = to_device(torch.tensor(top_p, dtype=torch.float32), device)
         sorted_logits, order = torch.sort(scaled, descending=True)

@@ -44,3 +44,15 @@ def test_a_draw_depends_on_its_seed_sample_and_position_only():
     # and the keys tell draws apart: another position (or seed) draws other tokens
     other = sample(logits, params, [noise_keys(r, r % 2, 8) for r in range(32)])
     assert (other != whole).sum() >= 16
+
+
+def test_a_top_k_row_cuts_only_itself():
+    # One top-k row beside rows without: they keep every token (top-k runs over the largest k asked, not the vocab).
+    row = [math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]
+    params = [SamplingParams(top_k=1)] + [SamplingParams()] * 3
+    seen = set()
+    for position in range(400):
+        tokens = sample(torch.tensor([row] * 4), params, [noise_keys(9, r, position) for r in range(4)]).tolist()
+        assert tokens[0] == 0
+        seen.update(tokens[1:])
+    assert seen == {0, 1, 2, 3}
