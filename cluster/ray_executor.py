@@ -38,17 +38,17 @@ CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 @dataclass(frozen=True)
 class RayPendingStep:
+    executor: "RayExecutor"
     step: int
     refs: list
-    timeout_s: float
-    sampler: int  # which output is the last stage's TP rank 0
 
     def result(self) -> StepResult:
         try:
-            outs = ray.get(self.refs, timeout=self.timeout_s)
+            outs = ray.get(self.refs, timeout=self.executor.step_timeout_s)
         except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
-            raise WorkerGroupError(f"step {self.step} failed: {_describe(exc)}") from exc
-        return StepResult(outs[self.sampler].sampled, tuple(o.report for o in outs), outs[self.sampler].logprobs)
+            raise self.executor.failure(f"step {self.step} failed", exc) from exc
+        sampler = outs[self.executor.sampler]
+        return StepResult(sampler.sampled, tuple(o.report for o in outs), sampler.logprobs)
 
 
 @dataclass(frozen=True)
@@ -171,14 +171,29 @@ class RayExecutor:
         try:
             refs = self._dag.execute(step)
         except Exception as exc:
-            raise WorkerGroupError(f"step {step.step} could not be sent: {_describe(exc)}") from exc
+            raise self.failure(f"step {step.step} could not be sent", exc) from exc
         if not self._ahead:
-            return RayPendingStep(step.step, refs, self.step_timeout_s, self._sampler)
+            return RayPendingStep(self, step.step, refs)
         self._calls.append((step.step, refs))
         return AheadPendingStep(self, step.step)
 
+    def failure(self, what: str, exc: BaseException) -> WorkerGroupError:
+        """``what`` went wrong, and why: a closed channel or a timeout only says that some peer is gone, so
+        each actor is asked, and the first that is dead names itself (a killed actor's step can fail either way,
+        whichever the driver notices first)."""
+        if not isinstance(exc, ray.exceptions.RayTaskError):
+            for actor in self._actors:
+                try:
+                    ray.get(actor.__ray_ready__.remote(), timeout=5)
+                except ray.exceptions.RayActorError as died:
+                    exc = died
+                    break
+                except GetTimeoutError:
+                    continue  # alive, answering slowly: not the one that died
+        return WorkerGroupError(f"{what}: {_describe(exc)}")
+
     @property
-    def _sampler(self) -> int:
+    def sampler(self) -> int:
         """Which output is the last stage's TP rank 0's."""
         return len(self.plan.workers) - self.plan.config.tensor_parallel_size
 
@@ -193,8 +208,8 @@ class RayExecutor:
             try:
                 outs = ray.get(refs, timeout=self.step_timeout_s)
             except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
-                raise WorkerGroupError(f"step {sent} failed: {_describe(exc)}") from exc
-            for i, out in enumerate(outs[self._sampler]):  # every worker finished the same steps in this call
+                raise self.failure(f"step {sent} failed", exc) from exc
+            for i, out in enumerate(outs[self.sampler]):  # every worker finished the same steps in this call
                 self._results[out.step] = StepResult(out.sampled, tuple(o[i].report for o in outs), out.logprobs)
         for drained in [s for s in self._results if s < 0]:
             del self._results[drained]

@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 from cluster.config import EngineConfig, model_config, plan  # noqa: E402
 from cluster.engine import LLM  # noqa: E402
 from cluster.errors import EngineDeadError  # noqa: E402
+from cluster.ray_executor import RayExecutor  # noqa: E402
 from tests.cluster.conftest import NEW_TOKENS  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 
@@ -228,6 +229,22 @@ def test_a_failed_worker_fails_requests_in_flight_and_the_group_is_rebuilt(fault
         assert not set(vattn_actors()) & set(old)  # the whole group was replaced
         assert len(live_placement_groups()) == 1
         assert_in_step(llm)
+    assert vattn_actors() == [] and live_placement_groups() == []
+
+
+def test_a_failure_that_only_says_a_channel_closed_names_the_worker_that_died():
+    """A killed worker's step fails either as its death or, when the driver's write notices first, as a closed
+    channel; either way the error names the dead actor."""
+    config = EngineConfig("tiny", distributed="ray", tensor_parallel_size=2, kv_memory=8 << 20, **SMALL)
+    executor = RayExecutor(plan(config, model_config("tiny"), "cpu"))
+    try:
+        victim = next(n for n in vattn_actors() if n.endswith("-tp1"))
+        ray.kill(ray.get_actor(victim))
+        error = executor.failure("step 7 could not be sent", ray.exceptions.RayChannelError("Channel closed."))
+        assert str(error) == ("step 7 could not be sent: ActorDiedError: The actor died unexpectedly before "
+                              f"finishing this task. name: {victim}")
+    finally:
+        executor.close()
     assert vattn_actors() == [] and live_placement_groups() == []
 
 
