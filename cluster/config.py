@@ -48,6 +48,7 @@ class EngineConfig:
     page_size: int = 2 << 20
     map_ahead: bool = True  # map the next step's pages while this one runs (False: in the step; for measurement)
     deferred_reclamation: bool = True  # freed slots keep their pages mapped for the next request (virtual layouts)
+    enable_prefix_caching: bool = True  # full blocks of finished and running requests' tokens are reused (vLLM's name)
     block_size: int | None = None  # tokens per block of the ``paged`` layout: 256 for flash-attn's kernel, else 16
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: int = 4 << 30
@@ -114,7 +115,8 @@ class EnginePlan:
     def new_ledger(self) -> PageLedger:
         """A fresh ledger (and the CUDA graphs' scratch slot in it, recorded for the workers)."""
         keeps = self.ledger_spec.layout != "paged" and self.config.deferred_reclamation
-        ledger = PageLedger(self.ledger_spec, self.num_pages, keeps_pages_on_free=keeps)
+        ledger = PageLedger(self.ledger_spec, self.num_pages, keeps_pages_on_free=keeps,
+                            caches_prefixes=self.config.enable_prefix_caching)
         if self.cuda_graphs:
             scratch = ledger.alloc_slot(1)
             ledger.ensure(scratch, 1)
@@ -240,7 +242,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if device == "cuda" and (attention in in_place or attention == "paged") and not flash_dtype:
         raise ValueError(f"attention {attention!r} runs FlashAttention kernels, which take float16 or bfloat16: got "
                          f"dtype={dtype_name!r} (attention='torch' runs float32)")
-    for name in ("map_ahead", "deferred_reclamation"):
+    for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
     block_size = config.block_size if config.block_size is not None else 256 if attention in PAGED_KERNELS else 16

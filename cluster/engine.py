@@ -38,6 +38,8 @@ class Engine(Protocol):
 
     def snapshot(self) -> EngineSnapshot: ...
 
+    def reset_prefix_cache(self) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -130,6 +132,11 @@ class LLM:
     def snapshot(self) -> EngineSnapshot:
         """KV memory per worker, queue sizes and per-request progress."""
         return self._engine.snapshot()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix and give its memory back (vLLM's call); the number of blocks dropped.
+        Running requests keep the blocks they hold."""
+        return self._engine.reset_prefix_cache()
 
     def generate(self, prompts: Prompts, sampling_params: ParamsArg = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order."""

@@ -60,6 +60,7 @@ class PreparedRequest:
     prompt: str | None
     token_ids: tuple[int, ...]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 #: A sequence whose incremental decoder failed is decoded whole each step instead (``EngineCore._text``).
@@ -92,11 +93,15 @@ class EngineCore:
         self._forget: list[int] = []  # announced sequences that finished since the last step
 
     # -- requests ------------------------------------------------------------------------------
-    def prepare(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> PreparedRequest:
+    def prepare(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
+                cache_salt: str | None = None) -> PreparedRequest:
         """Validate and tokenize; bad input raises ``ValueError`` naming the field. Touches no state but
         the id counter, so a caller may run it beside the step loop. ``request_id``: the caller's own (it
-        keeps it unique), else the next number."""
+        keeps it unique), else the next number. ``cache_salt``: only requests with the same salt share cached
+        prefix blocks (tenants that must not see each other's prompts, not even through timing)."""
         params = params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt, (str, list, tuple)):
@@ -117,7 +122,8 @@ class EngineCore:
                 f"each worker's pool holds {pages} for a request: it could never run"
             )
         text = prompt if isinstance(prompt, str) else None
-        return PreparedRequest(request_id if request_id is not None else str(next(self._ids)), text, tuple(ids), params)
+        return PreparedRequest(request_id if request_id is not None else str(next(self._ids)), text, tuple(ids), params,
+                               cache_salt)
 
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]:
         """Validate every prompt, then queue them all (none is queued if one is bad); their ids. (``stream``
@@ -128,7 +134,7 @@ class EngineCore:
     def add(self, request: PreparedRequest) -> str:
         params = request.params
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        r = Request(request.request_id, request.prompt, request.token_ids, params, seed)
+        r = Request(request.request_id, request.prompt, request.token_ids, params, seed, request.cache_salt)
         seq = Sequence(self.scheduler.new_seq_id(), r, 0, list(request.token_ids))
         r.seqs.append(seq)
         self._requests[r.request_id] = r
@@ -150,6 +156,13 @@ class EngineCore:
             self.telemetry.record_finished(request, "abort")
         if not self.has_work:
             self._flush_or_defer()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block (running requests keep what they hold); how many were dropped."""
+        dropped = self.ledger.reset_prefixes()
+        if not self.has_work:
+            self._flush_or_defer()
+        return dropped
 
     def poll(self, pending: set[str], finished_only: bool) -> list[RequestOutput]:
         return self.step(finished_only)

@@ -83,6 +83,9 @@ class RayEngine:
     def snapshot(self) -> EngineSnapshot:
         return _get(self.actor.snapshot.remote())
 
+    def reset_prefix_cache(self) -> int:
+        return _get(self.actor.reset_prefix_cache.remote())
+
     def worker_accounting(self) -> list[SlotAccounting]:
         """Each worker's slot accounting, then the scheduler's ledger's."""
         return _get(self.actor.worker_accounting.remote())

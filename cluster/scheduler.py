@@ -25,6 +25,7 @@ from cluster.sequence import Sequence, SeqStatus
 from kvmem import KVCacheError, KVCacheExhausted, MappingPlan
 from kvmem.ledger import PageLedger
 from kvmem.ops import DropSwap, SwapIn, SwapOut
+from kvmem.prefix import extend_block_hashes
 from worker.sampling import SampledToken
 
 
@@ -73,6 +74,10 @@ class Scheduler:
         self.swapped_bytes: dict[int, int] = {}  # seq_id -> bytes its host copy holds (on the tightest worker)
         self.max_model_len = config.max_model_len or kv.spec.max_tokens
         self.num_preemptions = 0
+        # Prefix caching (vLLM's counters): prompt tokens of the sequences admitted to compute from the start, and
+        # how many of them were found cached.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self._next_seq_id = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -105,6 +110,7 @@ class Scheduler:
             if not self._back(seq, seq.num_computed + n, out):
                 break  # seq itself was preempted: it was the last running one
             self._take(seq, n, out)
+            self._cache(seq)
             budget -= n
         if not out.preempted:
             budget = self._admit(budget, out)
@@ -145,16 +151,26 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            hit = self._cached_prefix(seq)
             try:
-                slot = self.kv.alloc_slot(self._full_length(seq))
+                slot = self.kv.alloc_slot(self._full_length(seq), self.kv.slot_holding(hit[0]) if hit else None)
             except KVCacheError:
                 break
+            if hit:
+                self.kv.map_prefix(slot, hit)
+                seq.num_cached_blocks = len(hit)
+                seq.num_computed = len(hit) * self.kv.spec.prefix_block_tokens
             n = min(seq.num_tokens - seq.num_computed, budget)
             try:
                 self.kv.ensure(slot, seq.num_computed + n)
             except KVCacheExhausted:
                 self.kv.free_slot(slot)
+                if hit:
+                    seq.num_computed = seq.num_cached_blocks = 0
                 break
+            if self.kv.prefixes is not None and seq.status is SeqStatus.WAITING:
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += seq.num_computed
             self.waiting.popleft()
             if seq.status is SeqStatus.SWAPPED:
                 self.kv.record(SwapIn(seq.seq_id, slot))
@@ -163,8 +179,29 @@ class Scheduler:
             seq.request.times.scheduled = seq.request.times.scheduled or time.monotonic()
             self.running.append(seq)
             self._take(seq, n, out)
+            self._cache(seq)
             budget -= n
         return budget
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Keys of the held blocks a sequence about to compute from its start can map instead; its last token is
+        always computed (it yields the first sample)."""
+        if self.kv.prefixes is None or seq.status is not SeqStatus.WAITING or seq.num_computed:
+            return []
+        block = self.kv.spec.prefix_block_tokens
+        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, block, seq.request.cache_salt)
+        return self.kv.cached_prefix(hashes[: (seq.num_tokens - 1) // block])
+
+    def _cache(self, seq: Sequence) -> None:
+        """Index the blocks of ``seq`` whose tokens are known and computed (by the steps scheduled so far)."""
+        if self.kv.prefixes is None:
+            return
+        block = self.kv.spec.prefix_block_tokens
+        full = min(seq.num_computed, len(seq.token_ids)) // block
+        if full > seq.num_cached_blocks:
+            hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, block, seq.request.cache_salt)
+            self.kv.cache_blocks(seq.slot, hashes[:full], seq.num_cached_blocks)
+            seq.num_cached_blocks = full
 
     def _full_length(self, seq: Sequence) -> int:
         """The most tokens ``seq`` can reach: what its slot is expected to hold (pages past it are surplus)."""
@@ -172,13 +209,14 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._cache(seq)
         size = seq.num_computed * self.kv.spec.bytes_per_token
         if self.config.preemption_mode == "swap" and self.swap_used_bytes + size <= self.config.swap_space_bytes:
             self.kv.record(SwapOut(seq.seq_id, seq.slot, seq.num_computed))
             self.swapped_bytes[seq.seq_id] = size
             seq.status = SeqStatus.SWAPPED
         else:
-            seq.num_computed, seq.status = 0, SeqStatus.WAITING
+            seq.num_computed, seq.num_cached_blocks, seq.status = 0, 0, SeqStatus.WAITING
         self.kv.free_slot(seq.slot)
         seq.slot = None
         seq.num_preemptions += 1
@@ -272,6 +310,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot is not None:
+            self._cache(seq)
             self.kv.free_slot(seq.slot)
             seq.slot = None
         if self.swapped_bytes.pop(seq.seq_id, None) is not None:

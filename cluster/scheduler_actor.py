@@ -156,6 +156,12 @@ class SchedulerActor:
             maps = self.core.executor.page_maps()
             return {(w.pp_rank, w.tp_rank): m for w, m in zip(self.core.plan.workers, maps, strict=True)}
 
+    def reset_prefix_cache(self) -> int:
+        """``EngineCore.reset_prefix_cache`` between steps."""
+        self._check_alive()
+        with self._core_lock:
+            return self.core.reset_prefix_cache()
+
     def worker_accounting(self) -> list[SlotAccounting]:
         """Every worker's slot accounting, and the ledger's last (tests check they agree)."""
         with self._core_lock:

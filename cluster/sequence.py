@@ -33,6 +33,7 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     seed: int
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached blocks
     times: Timestamps = field(default_factory=Timestamps)
     seqs: list["Sequence"] = field(default_factory=list)
 
@@ -66,6 +67,10 @@ class Sequence:
     decoded: int = 0  # output tokens in ``text``
     detokenizer: object | None = None
     final_text: str | None = None
+    # Prefix caching: the hashes of the full blocks of ``token_ids`` so far, and how many of the first blocks the
+    # ledger indexed (or found indexed) for this sequence.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

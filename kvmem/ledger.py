@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvmem.errors import KVCacheExhausted
-from kvmem.ops import AllocSlot, Ensure, FreeSlot, KVOp, SharePrefix
+from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, KeepBlock, KVOp, MapKept, SharePrefix
+from kvmem.prefix import BlockHash, PrefixIndex
 from kvmem.slots import Fence, NumberedSlotCache
 from kvmem.spec import KVCacheSpec
 
@@ -17,13 +18,19 @@ class PageLedger(NumberedSlotCache):
     Every change (alloc, free, ensure, share) is recorded as a ``KVOp``; ``take_ops`` hands the list to
     the workers, which replay it on their real caches (``kvmem.ops.apply_ops``) and so stay in step.
     ``keeps_pages_on_free`` follows the workers' caches: True for the virtual layouts, False for paged.
+
+    ``caches_prefixes``: prefix caching. Full prefix blocks of the sequences' tokens are indexed by hash
+    (``cache_blocks``) and held (``SlotCache.keep``) until memory runs short, when the ledger evicts the least
+    recently used that no slot in use holds (``DropKept``) before it raises ``KVCacheExhausted``. A new request
+    maps the longest held run of its blocks (``map_prefix``). The workers replay all of it and decide nothing.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_pages: int, keeps_pages_on_free: bool):
+    def __init__(self, spec: KVCacheSpec, num_pages: int, keeps_pages_on_free: bool, caches_prefixes: bool = False):
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         super().__init__(spec, num_pages)
         self.keeps_pages_on_free = keeps_pages_on_free
+        self.prefixes = PrefixIndex() if caches_prefixes else None
         self._ops: list[KVOp] = []
 
     # -- recorded changes ----------------------------------------------------------------------
@@ -37,8 +44,13 @@ class PageLedger(NumberedSlotCache):
         self._ops.append(FreeSlot(slot))
 
     def ensure(self, slot: int, num_tokens: int) -> None:
-        """``SlotCache.ensure``. A call that changes nothing (mapped ahead already) is not recorded."""
+        """``SlotCache.ensure``, evicting cached prefix blocks first where memory is short (recorded before it).
+        A call that changes nothing (mapped ahead already) is not recorded."""
         unchanged = self.num_tokens(slot) == num_tokens
+        if self.prefixes is not None:
+            self._check_tokens(num_tokens, "num_tokens")
+            with self._lock:
+                self._evict_for(slot, num_tokens)
         super().ensure(slot, num_tokens)
         if not unchanged:
             self._ops.append(Ensure(slot, num_tokens))
@@ -52,7 +64,7 @@ class PageLedger(NumberedSlotCache):
             if self._shared_in_write_range(self._in_use(slot), self.spec.pages_for(num_tokens), num_tokens):
                 return False
             try:
-                super().ensure(slot, num_tokens)
+                super().ensure(slot, num_tokens)  # evicts nothing: that would reach the workers after their mappers ran
             except KVCacheExhausted:
                 return False
             return True
@@ -60,6 +72,76 @@ class PageLedger(NumberedSlotCache):
     def share_prefix(self, src: int, dst: int, tokens: int) -> None:
         super().share_prefix(src, dst, tokens)
         self._ops.append(SharePrefix(src, dst, tokens))
+
+    # -- prefix caching ------------------------------------------------------------------------
+    def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
+        """Keys of the longest run of ``hashes`` (a sequence's first blocks) whose blocks are held."""
+        return self.prefixes.match(hashes) if self.prefixes is not None else []
+
+    def slot_holding(self, key: int) -> int | None:
+        """A free slot whose first block is already the block held under ``key`` (the request that computed it
+        used that slot): mapping the prefix there maps nothing."""
+        with self._lock:
+            first = self._kept[key]
+            n = len(first)
+            return next((i for i, s in enumerate(self._slots) if not s.in_use and tuple(s.pages[:n]) == first), None)
+
+    def map_prefix(self, slot: int, keys: list[int]) -> None:
+        """``slot`` (new) starts with the held blocks ``keys``: ``SlotCache.map_kept``, recorded."""
+        self.map_kept(slot, keys)
+        self.prefixes.touch(keys)
+        self._ops.append(MapKept(slot, tuple(keys)))
+
+    def cache_blocks(self, slot: int, hashes: list[BlockHash], first: int) -> None:
+        """Index and hold blocks ``first..len(hashes)-1`` of ``slot`` (full, their K/V written or being written by
+        a step already scheduled), but those whose hash is held already; the whole prefix counts as used now."""
+        for block in range(first, len(hashes)):
+            if hashes[block] not in self.prefixes:
+                key = self.prefixes.add(hashes[block])
+                self.keep(slot, block, key)
+                self._ops.append(KeepBlock(slot, block, key))
+        self.prefixes.touch(self.prefixes.match(hashes))
+
+    def reset_prefixes(self) -> int:
+        """Forget every cached prefix and let go of its blocks (pages that running requests hold stay theirs);
+        returns how many blocks were dropped."""
+        if self.prefixes is None:
+            return 0
+        keys = tuple(self.prefixes.eviction_order())
+        if keys:
+            self.drop_kept(keys)
+            self.prefixes.remove(keys)
+            self._ops.append(DropKept(keys))
+        return len(keys)
+
+    def _evict_for(self, slot: int, num_tokens: int) -> None:
+        """Before ``ensure(slot, num_tokens)``: while the pool, with what ``reclaim`` could free, is short of
+        what it needs, drop held blocks that no slot in use holds within its tokens, least recently used first.
+        (Dropping a block the slot itself holds past its tokens -- a reused slot's old prefix -- spares the
+        copy a write into it would have made.)"""
+        while True:
+            state = self._in_use(slot)
+            need = self.spec.pages_for(num_tokens)
+            demand = max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
+            short = demand - self._free_pages() - self._reclaimable()
+            if short <= 0:
+                return
+            used = set()
+            for s in self._slots:
+                if s.in_use:
+                    used.update(s.pages[: self.spec.pages_for(s.tokens)])
+            victims, gained = [], 0
+            for key in self.prefixes.eviction_order():
+                if gained >= short:
+                    break
+                if not used.intersection(self._kept[key]):
+                    victims.append(key)
+                    gained += len(self._kept[key])
+            if not victims:
+                return  # ensure raises
+            self.drop_kept(victims)
+            self.prefixes.remove(victims)
+            self._ops.append(DropKept(tuple(victims)))
 
     def record(self, op: KVOp) -> None:
         """Add an operation decided outside the ledger (swap out / in) in its place in the order."""

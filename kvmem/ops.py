@@ -55,7 +55,31 @@ class DropSwap:
     seq_id: int
 
 
-KVOp = AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap
+@dataclass(frozen=True, slots=True)
+class KeepBlock:
+    """Prefix caching: hold prefix block ``block`` of ``slot`` under ``key`` (``SlotCache.keep``)."""
+
+    slot: int
+    block: int
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class MapKept:
+    """Prefix caching: a new slot's first blocks are the kept ones (``SlotCache.map_kept``)."""
+
+    slot: int
+    keys: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DropKept:
+    """Prefix caching: evict these blocks (``SlotCache.drop_kept``)."""
+
+    keys: tuple[int, ...]
+
+
+KVOp = AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap | KeepBlock | MapKept | DropKept
 
 
 def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSpace | None = None,
@@ -72,6 +96,12 @@ def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSp
                 cache.free_slot(slot, fence)
             case SharePrefix(src, dst, tokens):
                 cache.share_prefix(src, dst, tokens)
+            case KeepBlock(slot, block, key):
+                cache.keep(slot, block, key)
+            case MapKept(slot, keys):
+                cache.map_kept(slot, keys)
+            case DropKept(keys):
+                cache.drop_kept(keys)
             case SwapOut(seq_id, slot, tokens):
                 _swap(swap, op).swap_out(seq_id, slot, tokens)
             case SwapIn(seq_id, slot):

@@ -58,6 +58,8 @@ class SlotCache(ABC):
         self._page_bytes = spec.page_bytes
         self._slots = [SlotState() for _ in range(spec.max_slots)]
         self._refs: dict[Page, int] = {}  # a plain dict: Counter's += costs a Python call per map
+        # Prefix blocks held for later requests (prefix caching): key -> the block's pages, one reference each.
+        self._kept: dict[int, tuple[Page, ...]] = {}
         self._num_shared = 0  # pages with refcount > 1: while 0, ensure() skips the copy-on-write scan
         self._lock = threading.RLock()
         self._counters = Counters()
@@ -242,6 +244,61 @@ class SlotCache(ABC):
             target.tokens = tokens
             target.expected = max(target.expected, tokens)
 
+    # -- kept prefix blocks -----------------------------------------------------------------------
+    def keep(self, slot: int, block: int, key: int) -> None:
+        """Hold the pages of prefix block ``block`` of ``slot`` (``spec.prefix_block_tokens`` tokens each, which
+        the slot must hold) under ``key``, so that they outlive the slot: a later request maps them
+        (``map_kept``) instead of computing them. The hold is a reference like a slot's: the pages stay out of
+        the pool, and ``reclaim`` never takes them, until ``drop_kept``."""
+        with self._lock:
+            state = self._in_use(slot)
+            if key in self._kept:
+                raise KVCacheError(f"keep: key {key} already holds a block")
+            if not isinstance(block, int) or block < 0 or (block + 1) * self.spec.prefix_block_tokens > state.tokens:
+                raise ValueError(f"keep: block {block!r} of slot {slot} is not full: the slot holds {state.tokens} "
+                                 f"tokens, a block {self.spec.prefix_block_tokens}")
+            n = self.spec.prefix_block_pages
+            pages = tuple(state.pages[block * n : (block + 1) * n])
+            for page in pages:
+                self._incref(page)
+            self._kept[key] = pages
+
+    def map_kept(self, slot: int, keys: tuple[int, ...] | list[int]) -> None:
+        """Make the first ``len(keys)`` prefix blocks of ``slot``, which holds no tokens yet, the pages held under
+        ``keys`` -- the same pages mapped at this slot's offsets, no copy -- and its length their tokens. The
+        slot's own pages there are let go (none are mapped where the slot holds them already)."""
+        with self._lock:
+            state = self._in_use(slot)
+            if state.tokens:
+                raise ValueError(f"map_kept: slot {slot} holds {state.tokens} tokens already")
+            missing = [k for k in keys if k not in self._kept]
+            if missing:
+                raise KVCacheError(f"map_kept: no block is kept under keys {missing}")
+            index = 0
+            for key in keys:
+                for page in self._kept[key]:
+                    if index >= len(state.pages):
+                        self._link(slot, index, page)
+                    elif state.pages[index] != page:
+                        self._replace(slot, index, page)
+                    index += 1
+            state.tokens = len(keys) * self.spec.prefix_block_tokens
+            state.expected = max(state.expected, state.tokens)
+
+    def drop_kept(self, keys: tuple[int, ...] | list[int]) -> None:
+        """Let go of the blocks held under ``keys``; pages nothing else references go back to the pool."""
+        with self._lock:
+            missing = [k for k in keys if k not in self._kept]
+            if missing:
+                raise KVCacheError(f"drop_kept: no block is kept under keys {missing}")
+            for key in keys:
+                for page in self._kept.pop(key):
+                    self._decref(page)
+
+    def kept_blocks(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
     def reclaim(self, pages: int) -> int:
         """Let go of pages that free slots still hold, then of slots' pages past their expectation, until
         ``pages`` physical pages went back to the pool (or none are left); returns the physical pages freed."""
@@ -283,6 +340,9 @@ class SlotCache(ABC):
             state.fence = None
         page = state.pages[index]
         self._detach(slot, index, page)
+        self._decref(page)
+
+    def _decref(self, page: Page) -> None:
         count = self._refs[page] - 1
         if count == 1:
             self._num_shared -= 1
@@ -374,7 +434,8 @@ class SlotCache(ABC):
         ``PageLedger`` and every worker's cache must agree on exactly."""
         with self._lock:
             return SlotAccounting(
-                tuple((s.in_use, s.tokens, len(s.pages)) for s in self._slots), self._free_pages(), self._num_shared
+                tuple((s.in_use, s.tokens, len(s.pages)) for s in self._slots), self._free_pages(), self._num_shared,
+                len(self._kept),
             )
 
     def page_map(self) -> PageMap:

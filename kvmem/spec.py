@@ -86,7 +86,7 @@ class KVCacheSpec:
         """
         if self.layout == "paged":
             return self.max_tokens
-        unit = self.page_size // math.gcd(self.page_size, self.token_bytes)
+        unit = self.prefix_block_tokens
         return -(-self.max_tokens // unit) * unit
 
     @cached_property
@@ -105,6 +105,21 @@ class KVCacheSpec:
     @cached_property
     def reserved_bytes(self) -> int:
         return self.num_buffers * self.buffer_bytes
+
+    @cached_property
+    def prefix_block_tokens(self) -> int:
+        """Tokens of the smallest run of whole pages that holds whole tokens: the unit a cached prefix is
+        counted, hashed and shared in (a block of ``paged``)."""
+        if self.layout == "paged":
+            return self.page_size
+        return self.page_size // math.gcd(self.page_size, self.token_bytes)
+
+    @cached_property
+    def prefix_block_pages(self) -> int:
+        """Pages (per buffer) of one prefix block."""
+        if self.layout == "paged":
+            return 1
+        return self.prefix_block_tokens * self.token_bytes // self.page_size
 
     def pages_for(self, tokens: int) -> int:
         """Pages (per buffer) that back the first ``tokens`` tokens of a slot; blocks for ``paged``."""

@@ -546,9 +546,10 @@ def test_an_engine_done_with_its_requests_holds_nothing(overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_mapping_in_the_step_and_eager_reclamation_give_the_same_tokens(overlap):
     """The allocation-latency experiment's switches: pages mapped in the step instead of ahead on the mapper
-    thread, and freed slots unmapped at once instead of kept for the next request."""
+    thread, and freed slots unmapped at once instead of kept for the next request (without prefix caching,
+    which holds finished requests' blocks)."""
     kw = dict(kv_memory=16 << 20, max_num_seqs=4, max_model_len=128, page_size=4096, device="cpu",
-              max_num_batched_tokens=32, async_scheduling=overlap)
+              max_num_batched_tokens=32, async_scheduling=overlap, enable_prefix_caching=False)
     prompts = [list(range(5, 60)), "hello there", list(range(90, 100)), "the quick brown fox", "zz", "abc"]
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     runs = {}
