@@ -148,7 +148,8 @@ class LLM:
         return self._run(prompts, sampling_params, use_tqdm, finished_only=False)
 
     def _run(self, prompts: Prompts, sampling_params: ParamsArg, use_tqdm: bool, finished_only: bool) -> Iterator[RequestOutput]:
-        batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
+        one = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int))
+        batch = [prompts] if one else list(prompts)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         if len(params) != len(batch):
             raise ValueError(f"{len(params)} sampling_params for {len(batch)} prompts")

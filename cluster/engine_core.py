@@ -30,7 +30,8 @@ from worker.messages import PLACEHOLDER, NewSeq, StepInput
 from worker.sampling import SamplingParams
 from worker.tokenizer import Tokenizer
 
-Prompt = str | list[int]  # text, or token ids
+# Text, token ids, or vLLM's prompt dict: {"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt".
+Prompt = str | list[int] | dict
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,16 @@ class PreparedRequest:
     token_ids: tuple[int, ...]
     params: SamplingParams
     cache_salt: str | None = None
+
+
+def _unpack(prompt: dict, cache_salt: str | None) -> tuple[str | list[int], str | None]:
+    """(text or token ids, cache salt) of a vLLM-style prompt dict."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+    if unknown:
+        raise ValueError(f"prompt dict has unknown keys {unknown}: it takes 'prompt' or 'prompt_token_ids', and 'cache_salt'")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt", cache_salt)
 
 
 #: A sequence whose incremental decoder failed is decoded whole each step instead (``EngineCore._text``).
@@ -100,6 +111,8 @@ class EngineCore:
         keeps it unique), else the next number. ``cache_salt``: only requests with the same salt share cached
         prefix blocks (tenants that must not see each other's prompts, not even through timing)."""
         params = params or SamplingParams()
+        if isinstance(prompt, dict):
+            prompt, cache_salt = _unpack(prompt, cache_salt)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if not isinstance(params, SamplingParams):

@@ -137,8 +137,8 @@ class PageLedger(NumberedSlotCache):
                 if not used.intersection(self._kept[key]):
                     victims.append(key)
                     gained += len(self._kept[key])
-            if not victims:
-                return  # ensure raises
+            if gained < short:
+                return  # not enough even with all of them: ensure raises, and the cache keeps them
             self.drop_kept(victims)
             self.prefixes.remove(victims)
             self._ops.append(DropKept(tuple(victims)))

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import peer_serving  # noqa: E402
-from worker.config import ModelConfig, PRESETS  # noqa: E402
+from worker.config import ModelConfig  # noqa: E402
 from worker.tokenizer import load_tokenizer  # noqa: E402
 
 

@@ -14,14 +14,17 @@ from kvmem import AsyncMapper, KVCacheSpec, PagedKVCache, VirtualKVCache, paged_
 from kvmem.ledger import PageLedger
 from kvmem.ops import AllocSlot, Ensure, apply_ops
 from kvmem.swap import SwapSpace
+from tests.conftest import check_invariants
 from worker.sampling import SamplingParams
 
 SPEC = KVCacheSpec(2, 2, 16, torch.float32, max_slots=4, max_tokens=256, layout="mega", page_size=4096)  # 16 tokens/page
 
 
-def add(scheduler: Scheduler, prompt_len: int, max_tokens: int = 8, n: int = 1) -> Sequence:
+def add(scheduler: Scheduler, prompt: int | list[int], max_tokens: int = 8, n: int = 1) -> Sequence:
+    """A request of ``prompt`` (its token ids, or a length: ``3, 4, ...``)."""
     params = SamplingParams(max_tokens=max_tokens, n=n)
-    request = Request(str(prompt_len), None, tuple(range(3, 3 + prompt_len)), params, 0)
+    ids = tuple(range(3, 3 + prompt)) if isinstance(prompt, int) else tuple(prompt)
+    request = Request(str(len(ids)), None, ids, params, 0)
     seq = Sequence(scheduler.new_seq_id(), request, 0, list(request.prompt_token_ids))
     request.seqs.append(seq)
     scheduler.add(seq)
@@ -156,20 +159,27 @@ def _worker_cache(layout: str, pages: int):
     return SPEC, VirtualKVCache(SPEC, pages * 2 * 4096)
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("layout", ["mega", "paged"])
-def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mode):
-    """Random arrivals, n > 1 forks over shared pages, aborts and preemption under a tight pool: after every
-    step the replaying cache holds the same slots, tokens, page counts and free pages as the ledger."""
+def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mode, caching):
+    """Random arrivals (prompts over a few shared prefixes), n > 1 forks over shared pages, aborts and preemption
+    under a tight pool, with and without prefix caching: after every step the replaying cache holds the same
+    slots, tokens, page counts, free pages and held blocks as the ledger; at the end every page it holds is
+    reachable (a free slot's or a held block's), and dropping the cached prefixes gives the whole pool back."""
     rng = random.Random(0)
     spec, cache = _worker_cache(layout, 12)
-    ledger = PageLedger(spec, 12, keeps_pages_on_free=layout != "paged")
+    ledger = PageLedger(spec, 12, keeps_pages_on_free=layout != "paged", caches_prefixes=caching)
     swap = SwapSpace(cache)
     scheduler = Scheduler(SchedulerConfig(4, 48, mode, 1 << 20), ledger)
+    prefixes = [[rng.randint(0, 99) for _ in range(rng.randint(0, 40))] for _ in range(4)]
+    added = 0
     with cache, AsyncMapper(cache) as mapper:
-        for step in range(300):
-            if step < 200 and rng.random() < 0.3:
-                add(scheduler, rng.randint(1, 60), rng.randint(1, 30), n=rng.choice([1, 1, 2]))
+        while added < 500 or scheduler.has_work:
+            if added < 500 and rng.random() < 0.4:
+                prompt = rng.choice(prefixes) + [rng.randint(0, 99) for _ in range(rng.randint(1, 20))]
+                add(scheduler, prompt, rng.randint(1, 30), n=rng.choice([1, 1, 2]))
+                added += 1
             if scheduler.running and rng.random() < 0.05:
                 scheduler.finish(rng.choice(scheduler.running), "abort")
             out = scheduler.schedule()
@@ -181,9 +191,12 @@ def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mo
                     scheduler.finish(seq, "length")
             apply_ops(cache, ledger.take_ops(), swap)
             assert ledger.accounting() == cache.accounting()
-        assert scheduler.num_preemptions > 0
-        for seq in list(scheduler.running) + list(scheduler.waiting):
-            scheduler.finish(seq, "abort")
+        assert scheduler.num_preemptions > 0 and (scheduler.prefix_hits > 0) == caching
+        assert cache.stats().slots_in_use == 0 and swap.used_bytes == 0 and scheduler.swap_used_bytes == 0
+        check_invariants(cache)  # every page it holds is a free slot's or a held block's, and counted so
+        assert cache.kept_blocks() == (len(ledger.prefixes) if caching else 0)  # each held block can be found
+        ledger.reset_prefixes()
         apply_ops(cache, ledger.take_ops(), swap)
         assert ledger.accounting() == cache.accounting()
-        assert cache.stats().slots_in_use == 0 and swap.used_bytes == 0 and scheduler.swap_used_bytes == 0
+        cache.reclaim(10**6)
+        assert cache.stats().mapped_bytes == 0
