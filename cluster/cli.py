@@ -57,6 +57,8 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per stage (Ray)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (Ray)")
     parser.add_argument("--placement-strategy", choices=STRATEGIES, default="STRICT_PACK")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV of prompt prefixes earlier requests computed (vLLM's flag; default on)")
     parser.add_argument("--device")
 
 
@@ -71,7 +73,8 @@ def engine_config(args: argparse.Namespace) -> dict:
     return dict(kv_layout=args.kv_layout, attention=args.attention, **kv_size(args), page_size=args.page_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy)
+                tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def generate(args: argparse.Namespace) -> int:

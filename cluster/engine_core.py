@@ -400,7 +400,8 @@ class EngineCore:
         self.telemetry.reset()
         old = self.scheduler
         self._reset_scheduler()
-        self.scheduler.num_preemptions = old.num_preemptions  # a counter: it never goes back
+        for counter in ("num_preemptions", "prefix_queries", "prefix_hits"):  # counters never go back
+            setattr(self.scheduler, counter, getattr(old, counter))
         self.scheduler.continue_ids(old)  # kept sequences keep their ids: new ones must not take them
         for r in kept:
             seq = r.seqs[0]
@@ -443,7 +444,7 @@ class EngineCore:
                               t.decode_step_seconds, t.decode_busy_seconds,
                               self.ledger.pages_in_use() / self.plan.num_pages if self.plan.num_pages else 0.0,
                               t.prompt_tokens, t.generation_tokens, dict(t.finished),
-                              {name: h.copy() for name, h in t.histograms.items()})
+                              {name: h.copy() for name, h in t.histograms.items()}, s.prefix_queries, s.prefix_hits)
 
     def close(self) -> None:
         self.executor.close()

@@ -148,6 +148,18 @@ def kv_memory() -> Dashboard:
             panel("Swap bytes", "Host memory holding the KV of sequences preempted by swap.", "bytes",
                   [query(f"vattn:kv_swap_bytes{{{w}}}", WORKER_LEGEND)]),
         ]),
+        ("Prefix cache", [
+            panel("Prefix cache memory", "Physical memory holding cached prefix blocks (full blocks of finished and "
+                  "running requests, kept for later requests that start the same way), against the pool. It is "
+                  "given back, least recently used first, when a request needs room.", "bytes", [
+                query(f"vattn:kv_prefix_cache_bytes{{{w}}}", f"{WORKER_LEGEND} cached"),
+                query(f"vattn:kv_pool_bytes{{{w}}}", f"{WORKER_LEGEND} pool")]),
+            panel("Prefix cache hit rate", "Per engine replica: the share of prompt tokens found cached (mapped "
+                  "into the new request's slot, not computed) over the rate window.", "percentunit", [query(
+                      f"{rate('vattn:prefix_cache_hits_total', REPLICA, BY_REPLICA)} / "
+                      f"{rate('vattn:prefix_cache_queries_total', REPLICA, BY_REPLICA)}", "{{replica}}")],
+                  max_value=1),
+        ]),
     ])
 
 
@@ -196,6 +208,11 @@ def serving() -> Dashboard:
                   "(scheduling and the workers' round trip). Near 100%, the engine is the bottleneck.",
                   "percentunit", [query(rate("vattn:engine_step_seconds_total", s, BY_REPLICA),
                                         "{{model_name}} {{replica}}")], max_value=1),
+            panel("Prefix cache hit rate", "The share of prompt tokens found in the prefix cache (their K/V "
+                  "mapped, not computed) over the rate window: system prompts, conversation history and documents "
+                  "that requests resend.", "percentunit", [query(
+                      f"{rate('vattn:prefix_cache_hits_total', s, by)} / {rate('vattn:prefix_cache_queries_total', s, by)}",
+                      "{{model_name}}")], max_value=1),
         ]),
     ])
 

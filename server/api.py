@@ -158,13 +158,14 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-    async def start(prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None = None):
+    async def start(prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None = None,
+                    cache_salt: str | None = None):
         """The engine's output stream, its first item already taken (so bad input is a 400, not a broken stream)."""
         nonlocal pending
         if pending >= settings.max_pending:
             raise APIError(429, f"the server holds {settings.max_pending} requests already: retry later", "rate_limit_exceeded")
         pending += 1
-        outputs = collector.generate(prompts, params, stream, chat)
+        outputs = collector.generate(prompts, params, stream, chat, cache_salt)
         try:
             first = await outputs.__anext__()
         except BaseException as exc:
@@ -260,7 +261,7 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
         check(request, body.model)
         params = sampling(body, body.max_tokens, body.logprobs)
         prompts = body.prompts
-        items = await start(prompts, params, body.stream)
+        items = await start(prompts, params, body.stream, cache_salt=body.cache_salt)
         rid = p.new_id("cmpl")
         if body.stream:
             return sse(stream_completion(items, rid, body, len(prompts)))
@@ -277,7 +278,7 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
         check(request, body.model)
         params = sampling(body, body.output_limit, (body.top_logprobs or 0) if body.logprobs else None)
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
-        items = await start([], params, body.stream, messages)
+        items = await start([], params, body.stream, messages, body.cache_salt)
         rid = p.new_id("chatcmpl")
         if body.stream:
             return sse(stream_chat(items, rid, body))

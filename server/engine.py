@@ -64,12 +64,15 @@ class EngineServer:
         self._reports = 0
 
     async def add(self, prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None,
-                  request_ids: list[str], consumer: str) -> SchedulerRef:
+                  request_ids: list[str], consumer: str, cache_salt: str | None = None) -> SchedulerRef:
         """Queue ``prompts`` (or ``chat``: messages put through the model's chat template) under the caller's
         ``request_ids``; their outputs go to ``consumer``'s polls of the returned scheduler. Bad input raises
         ``ValueError`` before anything is queued."""
         if chat is not None:
             prompts = [self.engine.tokenizer.apply_chat_template(chat)]
+        if cache_salt is not None:
+            prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": cache_salt}
+                       for p in prompts]
         await self.engine.actor.add_requests.remote(prompts, [params] * len(prompts), stream, request_ids, consumer)
         return self.scheduler
 

@@ -29,6 +29,9 @@ SERVING_COUNTERS = {
     "generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
     "num_preemptions": ("Sequences preempted (recompute or swap).", lambda s: s.num_preemptions),
     "num_engine_rebuilds": ("Times the worker group failed and was rebuilt.", lambda s: s.num_rebuilds),
+    "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache (of sequences computing from their start).",
+                             lambda s: s.prefix_cache_queries),
+    "prefix_cache_hits": ("Prompt tokens found in the prefix cache (not computed).", lambda s: s.prefix_cache_hits),
     "engine_step_seconds": ("Seconds spent in engine steps (scheduling and the workers' round trip).", lambda s: s.step_seconds),
 }
 HISTOGRAMS = {
@@ -48,6 +51,9 @@ WORKER_GAUGES = {
     "kv_fragmentation": ("1 - used/mapped: mapped memory that holds no valid token.", lambda w: w.fragmentation),
     "kv_slots_in_use": ("Slots (one per running sequence) in use.", lambda w: w.slots_in_use),
     "kv_swap_bytes": ("Host memory holding swapped-out KV.", lambda w: w.swap_bytes),
+    "kv_prefix_cache_pages": ("Pages (per buffer) holding cached prefix blocks, some also mapped in running slots.",
+                              lambda w: w.prefix_cache_pages),
+    "kv_prefix_cache_bytes": ("Physical KV memory holding cached prefix blocks (all buffers).", lambda w: w.prefix_cache_bytes),
 }
 WORKER_COUNTERS = {
     "kv_pages_mapped": ("Page mappings made (map calls of page groups).", lambda w: w.maps),

@@ -39,6 +39,8 @@ class SamplingRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=0, le=0, description="not implemented: only 0")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not implemented: only 0")
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM's: only requests with the same salt share "
+                                   "cached prefixes (tenants that must not see each other's prompts, even by timing)")
 
     @property
     def stops(self) -> tuple[str, ...]:

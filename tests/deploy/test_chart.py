@@ -14,6 +14,8 @@ import kubernetes_validate
 import pytest
 import ray
 import yaml
+
+from server.args import ServeArgs
 from ray._common.utils import import_attr
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
@@ -130,6 +132,13 @@ def test_every_ray_pod_runs_serve_on_the_data_plane_vattn_serve_uses():
 def test_by_default_the_kv_pool_is_a_fraction_of_what_the_weights_leave():
     (app,) = yaml.safe_load(one(render({}), "RayService")["spec"]["serveConfigV2"])["applications"]
     assert app["args"]["kv_memory_fraction"] == 0.9 and "kv_memory" not in app["args"]
+
+
+def test_prefix_caching_is_on_by_default_and_a_value_turns_it_off():
+    for values, on in (({}, True), ({"engine": {"enablePrefixCaching": False}}, False)):
+        (app,) = yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"])["applications"]
+        assert app["args"]["enable_prefix_caching"] is on
+        assert ServeArgs.parse(app["args"]).engine().enable_prefix_caching is on
 
 
 def test_the_api_key_comes_from_the_secret_into_every_ray_pod_and_the_test_pod():

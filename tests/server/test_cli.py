@@ -27,6 +27,17 @@ def test_generate_prints_json_per_prompt(capsys):
     assert all(len(line["completions"][0]["token_ids"]) == 4 for line in lines)
 
 
+def test_generate_with_and_without_prefix_caching_prints_the_same_tokens(capsys):
+    tokens = []
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        argv = ["generate", "--prompt", "a shared start, then one", "--prompt", "a shared start, then two",
+                "--max-tokens", "6", "--kv-memory", "32MiB", "--page-size", "4KiB", "--device", "cpu", "--json",
+                "--ignore-eos", "--temperature", "0", flag]
+        assert main(argv) == 0
+        tokens.append([json.loads(line)["completions"][0]["token_ids"] for line in capsys.readouterr().out.splitlines()])
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 2
+
+
 def test_generate_over_a_directory_with_dummy_weights(tmp_path, capsys):
     """vLLM's ``--load-format dummy``: a model directory with a config.json only, random weights at its shape."""
     config = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,

@@ -72,6 +72,27 @@ def test_greedy_completion_and_chat_equal_the_engine(client, local):
     assert chat.usage.prompt_tokens == len(templated)
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache_but_not_across_salts(client, local):
+    prompt = "A system prompt every request of this test resends, long enough for a few full blocks."
+    block = local.core.ledger.spec.prefix_block_tokens  # the tiny model's tokens are bytes
+    greedy = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+
+    def hits(**extra) -> int:
+        before = engine_snapshot().prefix_cache_hits
+        body = {**greedy, "extra_body": {**greedy["extra_body"], **extra}}
+        text = client.completions.create(prompt=prompt, **body).choices[0].text
+        assert text == local.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].outputs[0].text
+        return engine_snapshot().prefix_cache_hits - before
+
+    cached = (len(prompt) - 1) // block * block
+    assert hits() == 0 and hits() == cached
+    assert hits(cache_salt="tenant-a") == 0 and hits(cache_salt="tenant-a") == cached
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(messages=messages, extra_body={"ignore_eos": True, "cache_salt": "tenant-b"},
+                                          model="tiny", max_tokens=4, temperature=0)
+    assert chat.choices[0].finish_reason == "length"
+
+
 def test_streams_add_up_to_the_whole_and_report_usage(client):
     args = dict(model="tiny", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(prompt="stream me", **args).choices[0].text
@@ -148,6 +169,7 @@ BAD = [
     ({"model": "gpt-4", "prompt": "a"}, 404, "model 'gpt-4' does not exist; this server serves 'tiny'"),
     ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty: Input should be less than"),
     ({"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
+    ({"model": "tiny", "prompt": "a", "cache_salt": ""}, 400, "cache_salt: String should have at least 1 character"),
 ]
 
 

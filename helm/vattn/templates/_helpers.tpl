@@ -56,6 +56,7 @@ applications:
       max_model_len: {{ . }}
       {{- end }}
       placement_strategy: {{ .Values.engine.placementStrategy }}
+      enable_prefix_caching: {{ .Values.engine.enablePrefixCaching }}
       num_replicas: {{ .Values.serve.numReplicas }}
       ingress_replicas: {{ .Values.serve.ingressReplicas }}
       max_pending: {{ .Values.serve.maxPending }}
