@@ -25,7 +25,7 @@ from cluster.sequence import Sequence, SeqStatus
 from kvmem import KVCacheError, KVCacheExhausted, MappingPlan
 from kvmem.ledger import PageLedger
 from kvmem.ops import DropSwap, SwapIn, SwapOut
-from kvmem.prefix import extend_block_hashes
+from kvmem.prefix import extend_page_hashes
 from worker.sampling import SampledToken
 
 
@@ -110,10 +110,13 @@ class Scheduler:
             if not self._back(seq, seq.num_computed + n, out):
                 break  # seq itself was preempted: it was the last running one
             self._take(seq, n, out)
-            self._cache(seq)
             budget -= n
         if not out.preempted:
             budget = self._admit(budget, out)
+        # Only now: a page this step computes is found from the next step on. (Within the step, a layer's K/V is
+        # written before it is read, but a split token's page is copied before the step, when it holds nothing yet.)
+        for s in out.scheduled:
+            self._cache(s.seq)
         return out
 
     def ends_in_flight(self, seq: Sequence) -> bool:
@@ -158,15 +161,15 @@ class Scheduler:
                 break
             if hit:
                 self.kv.map_prefix(slot, hit)
-                seq.num_cached_blocks = len(hit)
-                seq.num_computed = len(hit) * self.kv.spec.prefix_block_tokens
+                seq.num_cached_pages = len(hit)
+                seq.num_computed = self.kv.spec.tokens_within(len(hit))
             n = min(seq.num_tokens - seq.num_computed, budget)
             try:
                 self.kv.ensure(slot, seq.num_computed + n)
             except KVCacheExhausted:
                 self.kv.free_slot(slot)
                 if hit:
-                    seq.num_computed = seq.num_cached_blocks = 0
+                    seq.num_computed = seq.num_cached_pages = 0
                 break
             if self.kv.prefixes is not None and seq.status is SeqStatus.WAITING:
                 self.prefix_queries += seq.num_tokens
@@ -179,29 +182,29 @@ class Scheduler:
             seq.request.times.scheduled = seq.request.times.scheduled or time.monotonic()
             self.running.append(seq)
             self._take(seq, n, out)
-            self._cache(seq)
             budget -= n
         return budget
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Keys of the held blocks a sequence about to compute from its start can map instead; its last token is
+        """Keys of the held pages a sequence about to compute from its start can map instead; its last token is
         always computed (it yields the first sample)."""
         if self.kv.prefixes is None or seq.status is not SeqStatus.WAITING or seq.num_computed:
             return []
-        block = self.kv.spec.prefix_block_tokens
-        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, block, seq.request.cache_salt)
-        return self.kv.cached_prefix(hashes[: (seq.num_tokens - 1) // block])
+        spec = self.kv.spec
+        keys = self.kv.cached_prefix(extend_page_hashes(seq.page_hashes, seq.token_ids, spec, seq.request.cache_salt))
+        while keys and spec.tokens_within(len(keys)) >= seq.num_tokens:
+            keys.pop()
+        return keys
 
     def _cache(self, seq: Sequence) -> None:
-        """Index the blocks of ``seq`` whose tokens are known and computed (by the steps scheduled so far)."""
+        """Index the pages of ``seq`` whose tokens are known and computed (by the steps scheduled so far)."""
         if self.kv.prefixes is None:
             return
-        block = self.kv.spec.prefix_block_tokens
-        full = min(seq.num_computed, len(seq.token_ids)) // block
-        if full > seq.num_cached_blocks:
-            hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, block, seq.request.cache_salt)
-            self.kv.cache_blocks(seq.slot, hashes[:full], seq.num_cached_blocks)
-            seq.num_cached_blocks = full
+        full = self.kv.spec.full_pages(min(seq.num_computed, len(seq.token_ids)))
+        if full > seq.num_cached_pages:
+            hashes = extend_page_hashes(seq.page_hashes, seq.token_ids, self.kv.spec, seq.request.cache_salt)
+            self.kv.cache_pages(seq.slot, hashes[:full], seq.num_cached_pages)
+            seq.num_cached_pages = full
 
     def _full_length(self, seq: Sequence) -> int:
         """The most tokens ``seq`` can reach: what its slot is expected to hold (pages past it are surplus)."""
@@ -216,7 +219,7 @@ class Scheduler:
             self.swapped_bytes[seq.seq_id] = size
             seq.status = SeqStatus.SWAPPED
         else:
-            seq.num_computed, seq.num_cached_blocks, seq.status = 0, 0, SeqStatus.WAITING
+            seq.num_computed, seq.num_cached_pages, seq.status = 0, 0, SeqStatus.WAITING
         self.kv.free_slot(seq.slot)
         seq.slot = None
         seq.num_preemptions += 1

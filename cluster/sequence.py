@@ -67,10 +67,10 @@ class Sequence:
     decoded: int = 0  # output tokens in ``text``
     detokenizer: object | None = None
     final_text: str | None = None
-    # Prefix caching: the hashes of the full blocks of ``token_ids`` so far, and how many of the first blocks the
+    # Prefix caching: the hashes of the cache pages ``token_ids`` fill so far, and how many of the first pages the
     # ledger indexed (or found indexed) for this sequence.
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_cached_blocks: int = 0
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_cached_pages: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -69,7 +69,7 @@ class WorkerMemory:
     swap_bytes: int
     map_latency_us: tuple[float, ...]  # recent samples
     map_latency: Histogram  # every sample, in seconds
-    prefix_cache_pages: int = 0  # pages (per buffer) of the cached prefix blocks (some also mapped in slots)
+    prefix_cache_pages: int = 0  # pages (per buffer) the prefix cache holds (some also mapped in running slots)
     prefix_cache_bytes: int = 0  # their physical bytes over all buffers
 
     @property
@@ -191,7 +191,7 @@ class Telemetry:
 
     def workers(self, ledger: PageLedger) -> tuple[WorkerMemory, ...]:
         used_tokens_bytes = ledger.stats().used_bytes  # in the ledger spec's bytes
-        cached_blocks = ledger.kept_blocks()
+        cached = ledger.kept_pages()
         out = []
         for w in self.plan.workers:
             key = (w.pp_rank, w.tp_rank)
@@ -203,7 +203,6 @@ class Telemetry:
                 r.mapped_bytes if r else 0, self.peak_mapped[key], used, r.free_pages if r else self.plan.num_pages, self.plan.num_pages,
                 r.slots_in_use if r else 0, r.maps if r else 0, r.unmaps if r else 0, r.stall_seconds if r else 0.0,
                 r.busy_seconds if r else 0.0, r.swap_bytes if r else 0, tuple(self.latency[key]),
-                self.map_latency[key].copy(), cached_blocks * w.kv_spec.prefix_block_pages,
-                cached_blocks * w.kv_spec.physical_bytes_for(w.kv_spec.prefix_block_tokens),
+                self.map_latency[key].copy(), cached, cached * w.kv_spec.page_bytes * w.kv_spec.num_buffers,
             ))
         return tuple(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvmem.errors import KVCacheExhausted
-from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, KeepBlock, KVOp, MapKept, SharePrefix
+from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, KeepPage, KVOp, MapKept, SharePrefix
 from kvmem.prefix import BlockHash, PrefixIndex
 from kvmem.slots import Fence, NumberedSlotCache
 from kvmem.spec import KVCacheSpec
@@ -19,10 +19,10 @@ class PageLedger(NumberedSlotCache):
     the workers, which replay it on their real caches (``kvmem.ops.apply_ops``) and so stay in step.
     ``keeps_pages_on_free`` follows the workers' caches: True for the virtual layouts, False for paged.
 
-    ``caches_prefixes``: prefix caching. Full prefix blocks of the sequences' tokens are indexed by hash
-    (``cache_blocks``) and held (``SlotCache.keep``) until memory runs short, when the ledger evicts the least
+    ``caches_prefixes``: prefix caching. The full pages of the sequences' tokens are indexed by hash
+    (``cache_pages``) and held (``SlotCache.keep``) until memory runs short, when the ledger evicts the least
     recently used that no slot in use holds (``DropKept``) before it raises ``KVCacheExhausted``. A new request
-    maps the longest held run of its blocks (``map_prefix``). The workers replay all of it and decide nothing.
+    maps the longest held run of its pages (``map_prefix``). The workers replay all of it and decide nothing.
     """
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, keeps_pages_on_free: bool, caches_prefixes: bool = False):
@@ -44,7 +44,7 @@ class PageLedger(NumberedSlotCache):
         self._ops.append(FreeSlot(slot))
 
     def ensure(self, slot: int, num_tokens: int) -> None:
-        """``SlotCache.ensure``, evicting cached prefix blocks first where memory is short (recorded before it).
+        """``SlotCache.ensure``, evicting cached prefix pages first where memory is short (recorded before it).
         A call that changes nothing (mapped ahead already) is not recorded."""
         unchanged = self.num_tokens(slot) == num_tokens
         if self.prefixes is not None:
@@ -75,36 +75,35 @@ class PageLedger(NumberedSlotCache):
 
     # -- prefix caching ------------------------------------------------------------------------
     def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
-        """Keys of the longest run of ``hashes`` (a sequence's first blocks) whose blocks are held."""
+        """Keys of the longest run of ``hashes`` (a sequence's first pages) whose pages are held."""
         return self.prefixes.match(hashes) if self.prefixes is not None else []
 
     def slot_holding(self, key: int) -> int | None:
-        """A free slot whose first block is already the block held under ``key`` (the request that computed it
-        used that slot): mapping the prefix there maps nothing."""
+        """A free slot whose first page is already the one held under ``key`` (the request that computed it used
+        that slot): mapping the prefix there maps nothing."""
         with self._lock:
             first = self._kept[key]
-            n = len(first)
-            return next((i for i, s in enumerate(self._slots) if not s.in_use and tuple(s.pages[:n]) == first), None)
+            return next((i for i, s in enumerate(self._slots) if not s.in_use and s.pages[:1] == [first]), None)
 
     def map_prefix(self, slot: int, keys: list[int]) -> None:
-        """``slot`` (new) starts with the held blocks ``keys``: ``SlotCache.map_kept``, recorded."""
+        """``slot`` (new) starts with the held pages ``keys``: ``SlotCache.map_kept``, recorded."""
         self.map_kept(slot, keys)
         self.prefixes.touch(keys)
         self._ops.append(MapKept(slot, tuple(keys)))
 
-    def cache_blocks(self, slot: int, hashes: list[BlockHash], first: int) -> None:
-        """Index and hold blocks ``first..len(hashes)-1`` of ``slot`` (full, their K/V written or being written by
-        a step already scheduled), but those whose hash is held already; the whole prefix counts as used now."""
-        for block in range(first, len(hashes)):
-            if hashes[block] not in self.prefixes:
-                key = self.prefixes.add(hashes[block])
-                self.keep(slot, block, key)
-                self._ops.append(KeepBlock(slot, block, key))
+    def cache_pages(self, slot: int, hashes: list[BlockHash], first: int) -> None:
+        """Index and hold pages ``first..len(hashes)-1`` of ``slot`` (full: their K/V written, or being written by a
+        step already scheduled), but those whose hash is held already; the whole prefix counts as used now."""
+        for page in range(first, len(hashes)):
+            if hashes[page] not in self.prefixes:
+                key = self.prefixes.add(hashes[page])
+                self.keep(slot, page, key)
+                self._ops.append(KeepPage(slot, page, key))
         self.prefixes.touch(self.prefixes.match(hashes))
 
     def reset_prefixes(self) -> int:
-        """Forget every cached prefix and let go of its blocks (pages that running requests hold stay theirs);
-        returns how many blocks were dropped."""
+        """Forget every cached prefix and let go of its pages (those running requests hold stay theirs); returns
+        how many were dropped."""
         if self.prefixes is None:
             return 0
         keys = tuple(self.prefixes.eviction_order())
@@ -116,9 +115,9 @@ class PageLedger(NumberedSlotCache):
 
     def _evict_for(self, slot: int, num_tokens: int) -> None:
         """Before ``ensure(slot, num_tokens)``: while the pool, with what ``reclaim`` could free, is short of
-        what it needs, drop held blocks that no slot in use holds within its tokens, least recently used first.
-        (Dropping a block the slot itself holds past its tokens -- a reused slot's old prefix -- spares the
-        copy a write into it would have made.)"""
+        what it needs, drop held pages that no slot in use holds within its tokens, least recently used first.
+        (Dropping a page the slot itself holds past its tokens -- a reused slot's old prefix -- spares the copy
+        a write into it would have made.)"""
         while True:
             state = self._in_use(slot)
             need = self.spec.pages_for(num_tokens)
@@ -130,14 +129,13 @@ class PageLedger(NumberedSlotCache):
             for s in self._slots:
                 if s.in_use:
                     used.update(s.pages[: self.spec.pages_for(s.tokens)])
-            victims, gained = [], 0
+            victims = []
             for key in self.prefixes.eviction_order():
-                if gained >= short:
+                if len(victims) >= short:
                     break
-                if not used.intersection(self._kept[key]):
+                if self._kept[key] not in used:
                     victims.append(key)
-                    gained += len(self._kept[key])
-            if gained < short:
+            if len(victims) < short:
                 return  # not enough even with all of them: ensure raises, and the cache keeps them
             self.drop_kept(victims)
             self.prefixes.remove(victims)

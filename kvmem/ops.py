@@ -56,17 +56,17 @@ class DropSwap:
 
 
 @dataclass(frozen=True, slots=True)
-class KeepBlock:
-    """Prefix caching: hold prefix block ``block`` of ``slot`` under ``key`` (``SlotCache.keep``)."""
+class KeepPage:
+    """Prefix caching: hold page ``page`` of ``slot`` under ``key`` (``SlotCache.keep``)."""
 
     slot: int
-    block: int
+    page: int
     key: int
 
 
 @dataclass(frozen=True, slots=True)
 class MapKept:
-    """Prefix caching: a new slot's first blocks are the kept ones (``SlotCache.map_kept``)."""
+    """Prefix caching: a new slot's first pages are held ones (``SlotCache.map_kept``)."""
 
     slot: int
     keys: tuple[int, ...]
@@ -74,12 +74,12 @@ class MapKept:
 
 @dataclass(frozen=True, slots=True)
 class DropKept:
-    """Prefix caching: evict these blocks (``SlotCache.drop_kept``)."""
+    """Prefix caching: evict these pages (``SlotCache.drop_kept``)."""
 
     keys: tuple[int, ...]
 
 
-KVOp = AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap | KeepBlock | MapKept | DropKept
+KVOp = AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap | KeepPage | MapKept | DropKept
 
 
 def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSpace | None = None,
@@ -96,8 +96,8 @@ def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSp
                 cache.free_slot(slot, fence)
             case SharePrefix(src, dst, tokens):
                 cache.share_prefix(src, dst, tokens)
-            case KeepBlock(slot, block, key):
-                cache.keep(slot, block, key)
+            case KeepPage(slot, page, key):
+                cache.keep(slot, page, key)
             case MapKept(slot, keys):
                 cache.map_kept(slot, keys)
             case DropKept(keys):

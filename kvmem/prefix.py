@@ -1,11 +1,12 @@
-"""Prefix caching's index: which full prefix blocks the cache holds, found by a chained hash of their tokens.
+"""Prefix caching's index: which full pages the cache holds, found by a chained hash of their tokens.
 
-A block is ``KVCacheSpec.prefix_block_tokens`` tokens (a page of ``mega`` 2 MiB pages on an 8B model: 32 tokens).
-Its hash covers the hash of the block before it, the cache salt and its token ids (vLLM's scheme), so equal hashes
-mean equal prefixes, not only equal blocks. SHA-256, not Python's ``hash``: a collision would hand one request
-another's K/V, and prompts are chosen by clients.
+The unit is a page of the cache: 32 tokens of ``llama-3-8b`` in ``mega`` 2 MiB pages, a 16-token block of ``paged``.
+A page's hash covers the hash of the page before it, the cache salt and the ids of the tokens with bytes in it
+(vLLM's scheme, per block), so equal hashes mean equal prefixes, not only equal pages. Where a page does not hold
+whole tokens, the token that runs over its end is in the hashes of both pages. SHA-256, not Python's ``hash``: a
+collision would hand one request another's K/V, and prompts are chosen by clients.
 
-The index knows hashes and keys only; the pages behind a key are the ledger's (``PageLedger``) and, replayed, each
+The index knows hashes and keys only; the page behind a key is the ledger's (``PageLedger``) and, replayed, each
 worker's (``SlotCache.keep``).
 """
 
@@ -17,24 +18,28 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from kvmem.spec import KVCacheSpec
+
 BlockHash = bytes
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_tokens: int,
-                        salt: str | None = None) -> list[BlockHash]:
-    """Append to ``hashes`` (those of the first blocks of ``token_ids``) the hash of every further full block."""
+def extend_page_hashes(hashes: list[BlockHash], token_ids: Sequence[int], spec: KVCacheSpec,
+                       salt: str | None = None) -> list[BlockHash]:
+    """Append to ``hashes`` (those of the first pages ``token_ids`` fill) the hash of every further page they fill."""
     salted = salt.encode() if salt else b""
-    for start in range(len(hashes) * block_tokens, len(token_ids) - block_tokens + 1, block_tokens):
+    while True:
+        start, stop = spec.page_tokens(len(hashes))
+        if stop > len(token_ids):
+            return hashes
         h = hashlib.sha256(hashes[-1] if hashes else b"")
         h.update(len(salted).to_bytes(4, "little") + salted)
-        h.update(array("q", token_ids[start : start + block_tokens]).tobytes())
+        h.update(array("q", token_ids[start:stop]).tobytes())
         hashes.append(h.digest())
-    return hashes
 
 
 class PrefixIndex:
-    """Block hash -> key of the block the cache holds, with the order eviction takes them in: least recently used
-    first and, among blocks used together, the one furthest from the start first (vLLM's order), so a prefix
+    """Page hash -> key of the page the cache holds, with the order eviction takes them in: least recently used
+    first and, among pages used together, the one furthest from the start first (vLLM's order), so a prefix
     shrinks from its end and what is left of it is still found."""
 
     def __init__(self) -> None:
@@ -61,14 +66,14 @@ class PrefixIndex:
     def add(self, block: BlockHash) -> int:
         """A new key for ``block`` (which the index must not hold), used now."""
         if block in self._keys:
-            raise KeyError(f"block {block.hex()[:16]} is indexed already")
+            raise KeyError(f"page {block.hex()[:16]} is indexed already")
         key = next(self._next)
         self._keys[block] = key
         self._lru[key] = block
         return key
 
     def touch(self, keys: Sequence[int]) -> None:
-        """``keys`` (a prefix's blocks, in order) were used now: last to be evicted, the last block first."""
+        """``keys`` (a prefix's pages, in order) were used now: last to be evicted, the last page first."""
         for key in reversed(keys):
             self._lru.move_to_end(key)
 

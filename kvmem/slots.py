@@ -58,8 +58,8 @@ class SlotCache(ABC):
         self._page_bytes = spec.page_bytes
         self._slots = [SlotState() for _ in range(spec.max_slots)]
         self._refs: dict[Page, int] = {}  # a plain dict: Counter's += costs a Python call per map
-        # Prefix blocks held for later requests (prefix caching): key -> the block's pages, one reference each.
-        self._kept: dict[int, tuple[Page, ...]] = {}
+        # Pages held for later requests (prefix caching): key -> page, one reference each.
+        self._kept: dict[int, Page] = {}
         self._num_shared = 0  # pages with refcount > 1: while 0, ensure() skips the copy-on-write scan
         self._lock = threading.RLock()
         self._counters = Counters()
@@ -245,27 +245,25 @@ class SlotCache(ABC):
             target.expected = max(target.expected, tokens)
 
     # -- kept prefix blocks -----------------------------------------------------------------------
-    def keep(self, slot: int, block: int, key: int) -> None:
-        """Hold the pages of prefix block ``block`` of ``slot`` (``spec.prefix_block_tokens`` tokens each, which
-        the slot must hold) under ``key``, so that they outlive the slot: a later request maps them
-        (``map_kept``) instead of computing them. The hold is a reference like a slot's: the pages stay out of
-        the pool, and ``reclaim`` never takes them, until ``drop_kept``."""
+    def keep(self, slot: int, page: int, key: int) -> None:
+        """Hold page ``page`` of ``slot``, which the slot's tokens must fill (``spec.full_pages``), under ``key``,
+        so that it outlives the slot: a later request maps it (``map_kept``) instead of computing it. The hold is a
+        reference like a slot's: the page stays out of the pool, and ``reclaim`` never takes it, until ``drop_kept``."""
         with self._lock:
             state = self._in_use(slot)
             if key in self._kept:
-                raise KVCacheError(f"keep: key {key} already holds a block")
-            if not isinstance(block, int) or block < 0 or (block + 1) * self.spec.prefix_block_tokens > state.tokens:
-                raise ValueError(f"keep: block {block!r} of slot {slot} is not full: the slot holds {state.tokens} "
-                                 f"tokens, a block {self.spec.prefix_block_tokens}")
-            n = self.spec.prefix_block_pages
-            pages = tuple(state.pages[block * n : (block + 1) * n])
-            for page in pages:
-                self._incref(page)
-            self._kept[key] = pages
+                raise KVCacheError(f"keep: key {key} already holds a page")
+            if not isinstance(page, int) or not 0 <= page < self.spec.full_pages(state.tokens):
+                raise ValueError(f"keep: page {page!r} of slot {slot} is not full: the slot holds {state.tokens} tokens, "
+                                 f"which fill {self.spec.full_pages(state.tokens)} pages")
+            held = state.pages[page]
+            self._incref(held)
+            self._kept[key] = held
 
     def map_kept(self, slot: int, keys: tuple[int, ...] | list[int]) -> None:
-        """Make the first ``len(keys)`` prefix blocks of ``slot``, which holds no tokens yet, the pages held under
-        ``keys`` -- the same pages mapped at this slot's offsets, no copy -- and its length their tokens. The
+        """Make the first ``len(keys)`` pages of ``slot``, which holds no tokens yet, the pages held under ``keys`` --
+        the same pages mapped at this slot's offsets, no copy -- and its length the tokens that lie entirely in them
+        (a token that runs on into the next page is computed again: its write copies the shared page first). The
         slot's own pages there are let go (none are mapped where the slot holds them already)."""
         with self._lock:
             state = self._in_use(slot)
@@ -273,29 +271,26 @@ class SlotCache(ABC):
                 raise ValueError(f"map_kept: slot {slot} holds {state.tokens} tokens already")
             missing = [k for k in keys if k not in self._kept]
             if missing:
-                raise KVCacheError(f"map_kept: no block is kept under keys {missing}")
-            index = 0
-            for key in keys:
-                for page in self._kept[key]:
-                    if index >= len(state.pages):
-                        self._link(slot, index, page)
-                    elif state.pages[index] != page:
-                        self._replace(slot, index, page)
-                    index += 1
-            state.tokens = len(keys) * self.spec.prefix_block_tokens
+                raise KVCacheError(f"map_kept: no page is kept under keys {missing}")
+            for index, key in enumerate(keys):
+                page = self._kept[key]
+                if index >= len(state.pages):
+                    self._link(slot, index, page)
+                elif state.pages[index] != page:
+                    self._replace(slot, index, page)
+            state.tokens = self.spec.tokens_within(len(keys))
             state.expected = max(state.expected, state.tokens)
 
     def drop_kept(self, keys: tuple[int, ...] | list[int]) -> None:
-        """Let go of the blocks held under ``keys``; pages nothing else references go back to the pool."""
+        """Let go of the pages held under ``keys``; those nothing else references go back to the pool."""
         with self._lock:
             missing = [k for k in keys if k not in self._kept]
             if missing:
-                raise KVCacheError(f"drop_kept: no block is kept under keys {missing}")
+                raise KVCacheError(f"drop_kept: no page is kept under keys {missing}")
             for key in keys:
-                for page in self._kept.pop(key):
-                    self._decref(page)
+                self._decref(self._kept.pop(key))
 
-    def kept_blocks(self) -> int:
+    def kept_pages(self) -> int:
         with self._lock:
             return len(self._kept)
 

@@ -86,7 +86,7 @@ class KVCacheSpec:
         """
         if self.layout == "paged":
             return self.max_tokens
-        unit = self.prefix_block_tokens
+        unit = self.page_size // math.gcd(self.page_size, self.token_bytes)
         return -(-self.max_tokens // unit) * unit
 
     @cached_property
@@ -106,20 +106,25 @@ class KVCacheSpec:
     def reserved_bytes(self) -> int:
         return self.num_buffers * self.buffer_bytes
 
-    @cached_property
-    def prefix_block_tokens(self) -> int:
-        """Tokens of the smallest run of whole pages that holds whole tokens: the unit a cached prefix is
-        counted, hashed and shared in (a block of ``paged``)."""
+    def full_pages(self, tokens: int) -> int:
+        """Pages (per buffer) the first ``tokens`` tokens of a slot fill completely: the ones a prefix cache can
+        hold (a page whose last bytes are a token not yet computed is not full)."""
         if self.layout == "paged":
-            return self.page_size
-        return self.page_size // math.gcd(self.page_size, self.token_bytes)
+            return tokens // self.page_size
+        return tokens * self.token_bytes // self.page_size
 
-    @cached_property
-    def prefix_block_pages(self) -> int:
-        """Pages (per buffer) of one prefix block."""
+    def tokens_within(self, pages: int) -> int:
+        """Tokens that lie entirely inside a slot's first ``pages`` pages."""
         if self.layout == "paged":
-            return 1
-        return self.prefix_block_tokens * self.token_bytes // self.page_size
+            return pages * self.page_size
+        return pages * self.page_size // self.token_bytes
+
+    def page_tokens(self, page: int) -> tuple[int, int]:
+        """``[start, stop)``: the tokens with bytes in page ``page`` of a slot (where a page does not hold whole
+        tokens, the first and last may lie partly in the pages beside it)."""
+        if self.layout == "paged":
+            return page * self.page_size, (page + 1) * self.page_size
+        return page * self.page_size // self.token_bytes, -(-(page + 1) * self.page_size // self.token_bytes)
 
     def pages_for(self, tokens: int) -> int:
         """Pages (per buffer) that back the first ``tokens`` tokens of a slot; blocks for ``paged``."""

@@ -63,4 +63,4 @@ class SlotAccounting:
     slots: tuple[tuple[bool, int, int], ...]  # (in use, tokens, pages) per slot
     free_pages: int  # slot pages the pool can hand out
     shared_pages: int  # pages with more than one reference
-    kept_blocks: int = 0  # prefix blocks held for later requests
+    kept_pages: int = 0  # pages the prefix cache holds for later requests

@@ -82,9 +82,9 @@ def tokens_per_page(cache) -> int:
 
 def check_invariants(cache) -> None:
     """Every used token is backed; no page owned twice unless shared (and then counted); free + mapped = pool.
-    A kept prefix block's hold counts as a reference."""
+    A page the prefix cache holds counts one reference more."""
     refs = Counter(page for state in cache._slots for page in state.pages)
-    refs.update(page for pages in cache._kept.values() for page in pages)
+    refs.update(cache._kept.values())
     assert refs == Counter(cache._refs), "reference counts disagree with the slots' pages"
     assert cache._num_shared == sum(1 for n in refs.values() if n > 1)
     for state in cache._slots:

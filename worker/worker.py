@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvmem import AsyncMapper, KVCacheSpec, MappingPlan, PagedKVCache, VirtualKVCache, default_vmm
-from kvmem.ops import AllocSlot, Ensure, FreeSlot, apply_ops
+from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, KeepPage, MapKept, apply_ops
 from kvmem.swap import SwapSpace
 from worker.attention import get_backend
 from worker.loader import build_model
@@ -24,6 +24,10 @@ from worker.parallel import TPGroup
 from worker.runner import LaunchedStep, ModelRunner, ScheduledChunk, StepOutput, StepPlan, TokenFill
 
 logger = logging.getLogger(__name__)
+# KV operations a step may apply while the step before it is still queued: they map only into slots no queued work
+# reads (a new slot; a freed one's pages wait for its own fence), copy on the stream after it, or only count
+# references (the prefix cache's holds: a page only the cache holds is mapped nowhere).
+UNFENCED = (Ensure, AllocSlot, FreeSlot, KeepPage, MapKept, DropKept)
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ class Worker:
             # below), and pages mapped here that it did not map ahead.
             waited = self.mapper.wait(self._in_flight.ahead, record=False) if self._in_flight is not None else 0.0
             fence = prev.queued if prev is not None else None
-            if fence is not None and any(not isinstance(op, (Ensure, AllocSlot, FreeSlot)) for op in step.kv_ops):
+            if fence is not None and any(not isinstance(op, UNFENCED) for op in step.kv_ops):
                 # A swapped or shared slot is copied or remapped at once: only once no queued kernel reads it.
                 fence.synchronize()
             for seq in step.new_seqs:

@@ -23,9 +23,9 @@ def assert_drained(llm: LLM) -> None:
     assert llm.core.ledger.accounting() == llm.cache.accounting()  # the worker replayed every decision
     stats = llm.cache.stats()
     assert (stats.slots_in_use, stats.used_bytes) == (0, 0)
-    kept = llm.cache.accounting().kept_blocks
+    kept = llm.cache.accounting().kept_pages
     assert llm.reset_prefix_cache() == kept  # the cached prefixes' blocks, dropped on every worker too
-    assert llm.core.ledger.accounting() == llm.cache.accounting() and llm.cache.accounting().kept_blocks == 0
+    assert llm.core.ledger.accounting() == llm.cache.accounting() and llm.cache.accounting().kept_pages == 0
     llm.cache.reclaim(10**9)
     stats = llm.cache.stats()
     assert stats.mapped_bytes == 0

@@ -5,11 +5,15 @@ modes -- and the worker's cache agreeing with the ledger throughout."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
+import torch
 
 from cluster.engine import LLM
 from tests.conftest import check_invariants
+from worker.config import PRESETS
+from worker.loader import random_model
 from worker.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -25,7 +29,7 @@ def hit_tokens(llm: LLM, prompt, params: SamplingParams = GREEDY) -> tuple[int, 
 
 def test_hits_count_the_full_blocks_a_prompt_shares_with_what_ran_before():
     with LLM("tiny", **SMALL) as llm:
-        block = llm.core.ledger.spec.prefix_block_tokens
+        block = llm.core.ledger.spec.tokens_within(1)
         rng = random.Random(0)
         base = [rng.randint(3, 200) for _ in range(5 * block + 3)]
         assert hit_tokens(llm, base)[0] == 0
@@ -42,7 +46,7 @@ def test_hits_count_the_full_blocks_a_prompt_shares_with_what_ran_before():
 
 def test_a_conversations_next_turn_finds_the_previous_answer():
     with LLM("tiny", **SMALL) as llm:
-        block = llm.core.ledger.spec.prefix_block_tokens
+        block = llm.core.ledger.spec.tokens_within(1)
         prompt = list(range(10, 10 + 2 * block + 4))
         _, answer = hit_tokens(llm, prompt)
         # The last output token was sampled, never fed back: its K/V was not computed.
@@ -113,3 +117,22 @@ def test_cache_salt_must_be_a_non_empty_string_and_prompt_dicts_name_one_prompt(
         with pytest.raises(ValueError, match=r"unknown keys \['salt'\]"):
             llm.generate({"prompt": "hi", "salt": "x"})
         assert llm.generate({"prompt": "hi", "cache_salt": "x"}, GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_pages_that_do_not_hold_whole_tokens_are_cached_and_the_split_token_computed_again():
+    """Three layers: a ``mega`` token is 768 bytes, 16/3 of them a 4 KiB page. A hit maps whole pages and computes
+    again from the first token that runs past them (copying the shared page its first bytes are in); the tokens
+    equal those without caching."""
+    model = random_model(replace(PRESETS["tiny"], num_layers=3), torch.float32, "cpu")
+    prompts = _shared_prefix_prompts(12, seed=3)
+    runs = {}
+    for caching in (False, True):
+        with LLM(model, enable_prefix_caching=caching, **SMALL) as llm:
+            spec = llm.core.ledger.spec
+            assert spec.token_bytes == 768 and spec.page_tokens(1) == (5, 11)
+            runs[caching] = [_tokens(llm.generate(prompts, GREEDY)) for _ in range(2)]
+            hits = llm.scheduler.prefix_hits
+            assert (hits > 0) == caching
+            assert llm.core.ledger.accounting() == llm.cache.accounting()
+            check_invariants(llm.cache)
+    assert runs[True] == runs[False]

@@ -114,7 +114,7 @@ def test_prefix_caching_across_tp_and_pp_gives_the_tokens_of_an_engine_without_i
         assert_in_step(llm)
         assert llm.reset_prefix_cache() > 0
         assert_in_step(llm)
-        assert all(w.kept_blocks == 0 for w in llm._engine.worker_accounting())
+        assert all(w.kept_pages == 0 for w in llm._engine.worker_accounting())
 
 
 def test_a_kv_memory_fraction_sizes_every_pool_once_the_weights_are_in(hf_llama):

@@ -194,7 +194,7 @@ def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mo
         assert scheduler.num_preemptions > 0 and (scheduler.prefix_hits > 0) == caching
         assert cache.stats().slots_in_use == 0 and swap.used_bytes == 0 and scheduler.swap_used_bytes == 0
         check_invariants(cache)  # every page it holds is a free slot's or a held block's, and counted so
-        assert cache.kept_blocks() == (len(ledger.prefixes) if caching else 0)  # each held block can be found
+        assert cache.kept_pages() == (len(ledger.prefixes) if caching else 0)  # each held page can be found
         ledger.reset_prefixes()
         apply_ops(cache, ledger.take_ops(), swap)
         assert ledger.accounting() == cache.accounting()

@@ -74,7 +74,7 @@ def test_greedy_completion_and_chat_equal_the_engine(client, local):
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache_but_not_across_salts(client, local):
     prompt = "A system prompt every request of this test resends, long enough for a few full blocks."
-    block = local.core.ledger.spec.prefix_block_tokens  # the tiny model's tokens are bytes
+    block = local.core.ledger.spec.tokens_within(1)  # tokens a page (the tiny model's tokens are bytes)
     greedy = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
 
     def hits(**extra) -> int:
