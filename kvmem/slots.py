@@ -437,12 +437,19 @@ class SlotCache(ABC):
         """Each slot's pages as ``PageMap`` draws them (a slot's pages map the start of its range, in order)."""
         width = self.spec.pages_for(self.spec.slot_tokens)
         with self._lock:
+            cached = set(self._kept.values())
             rows = []
             for s in self._slots:
                 used = self.spec.pages_for(s.tokens) if s.in_use else 0
-                cells = [("S" if self._refs.get(p, 0) > 1 else "U") if i < used else "M" for i, p in enumerate(s.pages)]
+                cells = [self._cell(p, i < used, p in cached) for i, p in enumerate(s.pages)]
                 rows.append("".join(cells).ljust(width, "."))
             return PageMap(self._page_bytes, tuple(rows), tuple(s.in_use for s in self._slots))
+
+    def _cell(self, page: Page, used: bool, cached: bool) -> str:
+        if not used:
+            return "C" if cached else "M"
+        held_by_slots = self._refs.get(page, 0) - cached
+        return "S" if held_by_slots > 1 else "C" if cached else "U"
 
     def counters(self) -> tuple[int, int, float]:
         """(maps, unmaps, stall seconds) so far: cheap enough to read every step."""

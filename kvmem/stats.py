@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class PageMap:
     """Every slot's virtual range, page by page, one character a page: ``U`` maps memory holding tokens, ``S`` the
-    same memory shared with another slot (a forked prefix, copy-on-write), ``M`` maps memory holding no token (a
+    same memory shared with another slot (a cached or forked prefix, copy-on-write), ``C`` memory the prefix cache
+    holds too (a free slot's: kept for a request that starts the same way), ``M`` maps memory holding no token (a
     slot's tail, or pages a free slot keeps for its next request), ``.`` is reserved address space only."""
 
     page_bytes: int  # of one page in one buffer

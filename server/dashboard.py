@@ -1,6 +1,7 @@
 """GET /dashboard: a live page of the KV memory, drawn on the server as SVG (no script, nothing fetched from
 elsewhere). Per worker of every engine replica: the slot x page map -- each slot's virtual range, page by page,
-mapped and holding tokens, shared with another slot, mapped but empty (kept for reuse), or reserved only -- and
+mapped and holding tokens, shared with another slot, held by the prefix cache, mapped but empty (kept for reuse), or
+reserved only -- and
 the reserved / pool / mapped / used bytes over the last minutes."""
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from collections import deque
 from cluster.telemetry import EngineSnapshot
 from kvmem.stats import PageMap
 
-COLORS = {"U": "#2e7d32", "S": "#7b1fa2", "M": "#ef6c00", ".": "#e6e6e6"}
-LABELS = {"U": "mapped, holds tokens", "S": "shared with another slot (copy-on-write)", "M": "mapped, no token (kept for reuse)",
-          ".": "reserved only (no memory)"}
+COLORS = {"U": "#2e7d32", "S": "#7b1fa2", "C": "#0097a7", "M": "#ef6c00", ".": "#e6e6e6"}
+LABELS = {"U": "mapped, holds tokens", "S": "shared with another slot (copy-on-write)",
+          "C": "held by the prefix cache (a later request that starts the same way maps it)",
+          "M": "mapped, no token (kept for reuse)", ".": "reserved only (no memory)"}
 SERIES = {"mapped": "#ef6c00", "used": "#2e7d32", "pool": "#1565c0"}
 WIDTH = 900
 #: The memory time series keeps this many samples (one per page load: the page reloads every 2 s).
