@@ -99,3 +99,23 @@ def test_health_speaks_for_every_replica(url):
     r = httpx.get(f"{url}/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     assert len(r.json()["replicas"]) == 2 and set(r.json()["replicas"].values()) == {"ok"}
+
+
+def test_requests_that_share_a_prefix_go_to_the_replica_that_cached_it(url):
+    """Chats with one long system prompt: after the first, each goes where that prompt's pages are cached and maps
+    them (prefix hits there, none elsewhere), though by load alone the router would alternate."""
+    system = "You answer questions about the solar system, briefly, in plain words, for a curious child. " * 4
+    before = httpx.get(f"{url}/metrics").text
+    for k in range(8):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {k}?"}]})
+        assert r.status_code == 200, r.text
+        time.sleep(2 * STATS_PERIOD_S)  # each replica has reported: load alone would not pick one replica 8 times
+    after = httpx.get(f"{url}/metrics").text
+    prompts = {r: n - per_replica(before, "prompt_tokens_total").get(r, 0)
+               for r, n in per_replica(after, "prompt_tokens_total").items()}
+    hits = {r: n - per_replica(before, "prefix_cache_hits_total").get(r, 0)
+            for r, n in per_replica(after, "prefix_cache_hits_total").items()}
+    (served,) = [r for r, n in prompts.items() if n > 0]  # one replica took all eight
+    assert hits[served] >= 7 * len(system) * 0.9, (hits, prompts)  # the seven after the first found the prompt
