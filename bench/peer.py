@@ -8,7 +8,11 @@ lands on both. vLLM runs twice: with its defaults and with our batch settings (t
 peer. The floor is measured in the same call. Results of another call, or of other prompts, are refused.
 
     python bench/peer.py run --vllm-site /tmp/vroot/site [--workloads w1 decode long] [--profile w1]
+    python bench/peer.py run --workloads prefix chat --sides vattn vattn-nocache vllm vllm-defaults
     python bench/peer.py compare RESULT.json ...      # the check and the table, on saved side results
+
+Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
+the run (``vattn-nocache``: vattn with prefix caching off, for the gain).
 """
 
 from __future__ import annotations
@@ -49,6 +53,33 @@ class Workload:
     about: str
     kv_memory_gib: float | None = None  # both engines' KV bytes (default: --kv-memory-gib)
     stepwise: bool = False  # count the requests running in each step (WorkloadRun.stepwise)
+    # Shared prefixes: request i starts with prefix i % prefixes (prefix_lo..prefix_hi tokens), then its own lo..hi.
+    prefixes: int = 0
+    prefix_lo: int = 0
+    prefix_hi: int = 0
+    # Conversations: each later turn sends the last prompt, the engine's answer and a new message of lo..hi tokens.
+    turns: int = 1
+
+    @property
+    def max_len(self) -> int:
+        return self.prefix_hi + self.hi + (self.turns - 1) * (self.hi + self.output) + self.output
+
+    @property
+    def has_floor(self) -> bool:
+        """The roofline floor computes every prompt token: no floor where prefixes are shared."""
+        return not self.prefixes and self.turns == 1
+
+    def prompts(self, config, seed: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """(first prompts, later turns' messages), random token ids as ``throughput.random_prompts`` draws them."""
+        from throughput import random_prompts
+
+        if not self.prefixes and self.turns == 1:
+            return random_prompts(config, self.requests, self.lo, self.hi, seed), []
+        shared = random_prompts(config, self.prefixes, self.prefix_lo, self.prefix_hi, seed + 1)
+        own = random_prompts(config, self.requests * self.turns, self.lo, self.hi, seed)
+        firsts = [shared[i % self.prefixes] + own[i] for i in range(self.requests)] if self.prefixes else own[: self.requests]
+        later = [own[self.requests * t : self.requests * (t + 1)] for t in range(1, self.turns)]
+        return firsts, later
 
 
 WORKLOADS = {
@@ -59,6 +90,11 @@ WORKLOADS = {
     # many run at once is decided by how each engine spends its KV bytes.
     "memory": Workload("llama-3-8b", 256, 512, 2048, 128, "memory-bound: 256 prompts of 512-2048 tokens, 128 out, "
                        "8 GiB of KV", kv_memory_gib=8, stepwise=True),
+    "prefix": Workload("llama-3-8b", 512, 256, 256, 128, "shared prefixes: 32 system prompts of 2-4K tokens, 16 "
+                       "questions of 256 tokens on each, 128 out", prefixes=32, prefix_lo=2048, prefix_hi=4096),
+    "chat": Workload("llama-3-8b", 64, 128, 256, 128, "multi-turn chat: 64 conversations of 6 turns, one 1K-token "
+                     "system prompt, messages of 128-256 tokens, 128 out a turn", prefixes=1, prefix_lo=1024,
+                     prefix_hi=1024, turns=6),
 }
 
 
@@ -89,17 +125,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def vattn_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    """Wall seconds and output tokens of one ``generate`` over ``prompts``."""
+def vattn_generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
+                   followups: list[list[list[int]]] = ()) -> tuple[float, int]:
+    """Wall seconds and output tokens of one ``generate`` over ``prompts`` from an empty prefix cache, and of one
+    more per later turn (each prompt with its answer and the turn's message)."""
+    llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _sync()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+    start, tokens = time.perf_counter(), 0
+    for messages in [None, *followups]:
+        if messages is not None:
+            prompts = [p + list(o.outputs[0].token_ids) + m for p, o, m in zip(prompts, outputs, messages, strict=True)]
+        outputs = llm.generate(prompts, params)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+    return time.perf_counter() - start, tokens
 
 
 def vattn_stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[int]]:
     """As ``vattn_generate``, one engine step at a time, also counting the requests that gained a token each step."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.reset_prefix_cache()
     _sync()
     start = time.perf_counter()
     for p in prompts:
@@ -116,18 +161,22 @@ def vattn_stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple
 
 
 def vattn_round(llm: LLM, result: SideResult, run: WorkloadRun, prompts: list[list[int]], round_: int) -> None:
-    """One timed run of a workload, recorded with the engine's stall, steps and preemptions in it."""
+    """One timed run of a workload, recorded with the engine's stall, steps, preemptions and prefix cache hit
+    rate (prompt tokens found cached / prompt tokens looked up) in it."""
     before = llm.snapshot()
-    extra = {}
+    extra, followups = {}, run.followups()
     if run.stepwise:
         wall, tokens, extra["running"] = vattn_stepwise(llm, prompts, run.output)
     else:
-        wall, tokens = vattn_generate(llm, prompts, run.output)
+        wall, tokens = vattn_generate(llm, prompts, run.output, followups)
     after = llm.snapshot()
     stall = after.workers[0].stall_seconds - before.workers[0].stall_seconds
-    result.record(run.name, prompts, run.output, round_, wall, tokens, stall_s=stall,
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    result.record(run.name, prompts, run.output, round_, wall, tokens, followups, stall_s=stall,
                   steps=after.num_steps - before.num_steps,
-                  preemptions=after.num_preemptions - before.num_preemptions, **extra)
+                  preemptions=after.num_preemptions - before.num_preemptions,
+                  prefix_hit_rate=(after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else None,
+                  **extra)
     print(f"{result.label} {run.name} round {round_}: {wall:.3f} s (stall {stall:.3f} s)", flush=True)
 
 
@@ -169,7 +218,6 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
 # -- the orchestrator -------------------------------------------------------------------------------------------
 def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
     """Prompts and model directories on disk; the side specs of each model shape, in the order they run."""
-    from throughput import random_prompts
     from worker.config import PRESETS
 
     groups: dict[tuple[str, float], list[str]] = {}  # one engine process per model and KV budget
@@ -181,17 +229,18 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
         runs = []
         for name in names:
             w = WORKLOADS[name]
-            prompts = random_prompts(PRESETS[preset], w.requests, w.lo, w.hi, args.seed)
-            path = work / f"prompts_{name}.json"
+            prompts, followups = w.prompts(PRESETS[preset], args.seed)
+            path, later = work / f"prompts_{name}.json", work / f"followups_{name}.json"
             path.write_text(json.dumps(prompts))
-            runs.append(WorkloadRun(name, str(path), w.output, w.stepwise))
+            later.write_text(json.dumps(followups))
+            runs.append(WorkloadRun(name, str(path), w.output, w.stepwise, str(later) if followups else None))
         model_dir = work / f"model_{preset}"
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(hf_config(preset), indent=1))
         ours = {
             "max_num_seqs": max(WORKLOADS[n].requests for n in names),
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": max(WORKLOADS[n].hi + WORKLOADS[n].output for n in names),
+            "max_model_len": max(WORKLOADS[n].max_len for n in names),
         }
         kv = int(kv_gib * GiB)
         budgeted = any(WORKLOADS[n].kv_memory_gib for n in names)
@@ -200,6 +249,8 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
         sides = {
             "vattn": SideSpec(engine="vattn", label="vattn", model=preset, engine_args=ours | {
                 "kv_memory": kv, "device": "cuda", "dtype": "bfloat16"}, **common),
+            "vattn-nocache": SideSpec(engine="vattn", label="vattn-nocache", model=preset, engine_args=ours | {
+                "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "enable_prefix_caching": False}, **common),
             "vllm": SideSpec(engine="vllm", label="vllm", model=str(model_dir),
                              engine_args=ours | {"kv_cache_memory_bytes": kv}, **common),
             # its defaults, but for the KV bytes where they are what the workload compares
@@ -256,6 +307,8 @@ def measure_floor(out: Path, names: list[str], seed: int) -> None:
     result = {"ceilings": ceil, "floors": {}}
     for name in names:
         w = WORKLOADS[name]
+        if not w.has_floor:
+            continue
         prompts = random_prompts(PRESETS[w.model], w.requests, w.lo, w.hi, seed)
         result["floors"][name] = floor_seconds(PRESETS[w.model], prompts, w.output, ceil) | {
             "digest": digest(prompts, w.output)}
@@ -345,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="both engines on the workloads, alternating, in this call")
     run.add_argument("--workloads", nargs="+", default=["w1"], choices=sorted(WORKLOADS))
     run.add_argument("--sides", nargs="+", default=["vattn", "vllm", "vllm-defaults"],
-                     choices=["vattn", "vllm", "vllm-defaults"])
+                     choices=["vattn", "vattn-nocache", "vllm", "vllm-defaults"])
     run.add_argument("--vllm-site", default="/tmp/vroot/site", help="vLLM's install (the bundle's PYTHONPATH)")
     run.add_argument("--reps", type=int, default=2, help="timed rounds per process")
     run.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -16,9 +16,10 @@ class PeerMismatch(ValueError):
     """Two results that must not be compared: different calls, devices, workloads or prompts."""
 
 
-def digest(prompts: list[list[int]], output: int) -> str:
-    """A workload's identity: its token ids and output length (sha256, first 16 hex digits)."""
-    return hashlib.sha256(json.dumps([prompts, output], separators=(",", ":")).encode()).hexdigest()[:16]
+def digest(prompts: list[list[int]], output: int, followups: list[list[list[int]]] | None = None) -> str:
+    """A workload's identity: its token ids (and later turns' messages) and output length (sha256, 16 hex digits)."""
+    what = [prompts, output] + ([followups] if followups else [])
+    return hashlib.sha256(json.dumps(what, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,15 @@ class WorkloadRun:
     # Driven one engine step at a time, counting the requests that gained a token in each step: how many run
     # at once (the memory-bound workload). Otherwise one ``generate`` call.
     stepwise: bool = False
+    # A conversation per prompt: after each turn, the next turn's prompt is the last prompt, the engine's own answer
+    # and the next message of ``followups_file`` (a JSON list, per later turn, of one message per conversation).
+    followups_file: str | None = None
 
     def prompts(self) -> list[list[int]]:
         return json.loads(Path(self.prompts_file).read_text())
+
+    def followups(self) -> list[list[list[int]]]:
+        return json.loads(Path(self.followups_file).read_text()) if self.followups_file else []
 
 
 @dataclass(frozen=True)
@@ -80,11 +87,11 @@ class SideResult:
     profile_trace: str | None = None
 
     def record(self, workload: str, prompts: list[list[int]], output: int, round_: int, wall_s: float,
-               output_tokens: int, **extra) -> None:
-        expected = len(prompts) * output
+               output_tokens: int, followups: list[list[list[int]]] | None = None, **extra) -> None:
+        expected = len(prompts) * output * (1 + len(followups or []))
         if output_tokens != expected:  # ignore_eos: every request must run to max_tokens
             raise RuntimeError(f"{self.label}: {workload} produced {output_tokens} output tokens, expected {expected}")
-        self.digests[workload] = digest(prompts, output)
+        self.digests[workload] = digest(prompts, output, followups)
         self.runs.append({"workload": workload, "round": round_, "wall_s": wall_s, "output_tokens": output_tokens,
                           **extra})
 

@@ -3,7 +3,8 @@
 Runs in vLLM's own environment (``PYTHONPATH=/tmp/vroot/site``, ``../shared/tools/gpu_vllm_bundle.sh``); imports
 vLLM and the standard library only, never the project. Offline ``LLM`` over a model directory holding only
 ``config.json``: dummy weights, token-id prompts, no tokenizer; greedy, EOS ignored. The prefix cache (on by
-default) is reset before every timed run, so no run reuses an earlier run's prompts.
+default) is reset before every timed run, so no run reuses an earlier run's prompts; within a run (shared prefixes,
+a conversation's turns) it works as it would for any user.
 
     PYTHONPATH=/tmp/vroot/site python bench/peer_vllm.py SPEC.json RESULT.json
 """
@@ -25,16 +26,20 @@ from vllm.inputs import TokensPrompt
 from peer_spec import SideResult, SideSpec
 
 
-def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    """Wall seconds and output tokens of one ``generate`` over ``prompts`` from a cold prefix cache."""
+def generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
+             followups: list[list[list[int]]] = ()) -> tuple[float, int]:
+    """Wall seconds and output tokens of one ``generate`` over ``prompts`` from a cold prefix cache, and of one more
+    per later turn (each prompt with its answer and the turn's message), as ``peer.vattn_generate`` runs them."""
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    return wall, sum(len(o.outputs[0].token_ids) for o in outputs)
+    start, tokens = time.perf_counter(), 0
+    for messages in [None, *followups]:
+        if messages is not None:
+            prompts = [p + list(o.outputs[0].token_ids) + m for p, o, m in zip(prompts, outputs, messages, strict=True)]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+    return time.perf_counter() - start, tokens
 
 
 def stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[int]]:
@@ -101,8 +106,9 @@ def main() -> None:
                 wall, tokens, counts = stepwise(llm, prompts, w.output)
                 result.record(w.name, prompts, w.output, round_, wall, tokens, running=counts)
             else:
-                wall, tokens = generate(llm, prompts, w.output)
-                result.record(w.name, prompts, w.output, round_, wall, tokens)
+                followups = w.followups()
+                wall, tokens = generate(llm, prompts, w.output, followups)
+                result.record(w.name, prompts, w.output, round_, wall, tokens, followups)
             print(f"{spec.label} {w.name} round {round_}: {wall:.3f} s", flush=True)
     if spec.profile:
         prompts = dict((w.name, p) for w, p in workloads)[spec.profile]

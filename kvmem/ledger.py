@@ -122,6 +122,8 @@ class PageLedger(NumberedSlotCache):
             state = self._in_use(slot)
             need = self.spec.pages_for(num_tokens)
             demand = max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
+            if demand <= self._free_pages():
+                return  # the common case, decided without walking every slot's pages
             short = demand - self._free_pages() - self._reclaimable()
             if short <= 0:
                 return

@@ -151,3 +151,38 @@ def test_vattn_side_counts_the_requests_running_in_each_step(tmp_path):
     run = SideResult.read(tmp_path / "result.json").runs[0]
     assert run["output_tokens"] == 15 and max(run["running"]) == 2  # max_num_seqs caps it
     assert sum(run["running"]) == 15  # each of the 15 tokens came in a step of its own request
+
+
+def test_shared_prefix_and_chat_workloads_build_their_prompts_and_the_nocache_side(tmp_path):
+    args = peer.build_parser().parse_args(["run", "--workloads", "prefix", "chat", "--sides", "vattn", "vattn-nocache",
+                                           "vllm"])
+    specs = peer.prepare(args, "call-1", tmp_path)["llama-3-8b 40 GiB"]
+    assert [s.label for s in specs] == ["vattn", "vattn-nocache", "vllm", "vllm", "vattn-nocache", "vattn"]
+    assert specs[1].engine_args["enable_prefix_caching"] is False and "enable_prefix_caching" not in specs[0].engine_args
+    prefix, chat = specs[0].workloads
+    prompts = prefix.prompts()
+    assert len(prompts) == 512 and prefix.followups() == []
+    starts = {tuple(p[:2048]) for p in prompts}
+    assert len(starts) == 32  # 32 shared prefixes, 16 requests on each
+    assert all(2048 + 256 <= len(p) <= 4096 + 256 for p in prompts)
+    first, later = chat.prompts(), chat.followups()
+    assert len(first) == 64 and len(later) == 5 and all(len(m) == 64 for m in later)
+    assert len({tuple(p[:1024]) for p in first}) == 1  # one system prompt
+    assert peer.WORKLOADS["chat"].max_len == 1024 + 256 + 5 * (256 + 128) + 128
+    assert specs[0].engine_args["max_model_len"] == 4096 + 256 + 128  # the longer of the two
+    assert not peer.WORKLOADS["prefix"].has_floor and peer.WORKLOADS["w1"].has_floor
+
+
+def test_a_conversations_turns_run_on_the_engines_own_answers_from_an_empty_cache(tmp_path):
+    followups = [[[30, 31, 32], [33], [34, 35]], [[36], [37, 38], [39]]]
+    later = tmp_path / "followups.json"
+    later.write_text(json.dumps(followups))
+    spec = tiny_side(tmp_path, 4, 16, WorkloadRun("chat", "", 5, followups_file=str(later)), reps=2)
+    spec = replace(spec, engine_args=spec.engine_args | {"page_size": 4096})  # 8 tokens a page
+    peer.run_vattn(spec, tmp_path / "result.json")
+    result = SideResult.read(tmp_path / "result.json")
+    assert [r["output_tokens"] for r in result.runs] == [45, 45]  # 3 conversations x 3 turns x 5 tokens
+    assert result.digests == {"chat": digest(PROMPTS, 5, followups)}
+    # The same hit rate in both rounds: each starts from an empty cache; later turns find the earlier ones.
+    rates = [r["prefix_hit_rate"] for r in result.runs]
+    assert rates[0] == rates[1] and rates[0] > 0
