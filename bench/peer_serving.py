@@ -57,7 +57,7 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
     """The command line and environment that start ``side``'s server on ``PORT``."""
     env = dict(os.environ)
     shared = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-              "--max-model-len", str(args.input + args.output + 64), "--load-format", "dummy"]
+              "--max-model-len", str(args.prefix_len + args.input + args.output + 64), "--load-format", "dummy"]
     if side == "vllm":
         env = {k: v for k, v in env.items() if not k.startswith("FLASHINFER_")}
         env["PYTHONPATH"] = args.vllm_site
@@ -112,8 +112,18 @@ def our_clients(label: str, model: Path, args) -> dict:
     subprocess.run([sys.executable, str(HERE / "serving.py"), "--url", f"http://127.0.0.1:{PORT}", "--served-name",
                     SERVED, "--concurrency", *map(str, args.concurrency), "--rates", *map(str, args.rates),
                     "--rounds", str(args.rounds), "--input", str(args.input), "--output", str(args.output),
-                    "--vocab", str(args.vocab), "--name", name, "--out", str(args.work), "--engine-metrics"], check=True)
+                    "--vocab", str(args.vocab), "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
+                    "--name", name, "--out", str(args.work), "--engine-metrics"], check=True)
     return json.loads((args.work / f"{name}.json").read_text())
+
+
+def dataset_args(args) -> list[str]:
+    """``vllm bench serve``'s dataset: random prompts, or with ``--prefixes`` its shared-prefix one."""
+    if args.prefixes:
+        return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+                "--prefix-repetition-suffix-len", str(args.input), "--prefix-repetition-num-prefixes",
+                str(args.prefixes), "--prefix-repetition-output-len", str(args.output)]
+    return ["--dataset-name", "random", "--random-input-len", str(args.input), "--random-output-len", str(args.output)]
 
 
 def vllm_clients(label: str, model: Path, args) -> list[dict]:
@@ -124,8 +134,7 @@ def vllm_clients(label: str, model: Path, args) -> list[dict]:
         name = f"{label}_vllm_client_{c}.json"
         done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
                         "--base-url", f"http://127.0.0.1:{PORT}", "--model", SERVED, "--tokenizer", str(model),
-                        "--dataset-name", "random", "--random-input-len", str(args.input), "--random-output-len",
-                        str(args.output), "--num-prompts", str(max(16, args.rounds * c)), "--max-concurrency", str(c),
+                        *dataset_args(args), "--num-prompts", str(max(16, args.rounds * c)), "--max-concurrency", str(c),
                         "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
                         "--save-result", "--result-dir", str(args.work), "--result-filename", name],
                        env=env)
@@ -235,6 +244,9 @@ def main() -> None:
     parser.add_argument("--input", type=int, default=512)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=32000, help="prompt ids are drawn below this")
+    parser.add_argument("--prefixes", type=int, default=0, help="shared prefixes (both clients): each prompt starts "
+                        "with one of this many, of --prefix-len tokens, then --input tokens of its own")
+    parser.add_argument("--prefix-len", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--kv-memory-gib", type=float, default=40)

@@ -216,6 +216,10 @@ def main() -> None:
     p.add_argument("--input", type=int, default=128, help="prompt tokens")
     p.add_argument("--output", type=int, default=64, help="output tokens")
     p.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
+    p.add_argument("--prefixes", type=int, default=0,
+                   help="shared prefixes: each prompt starts with one of this many (drawn at random) of --prefix-len "
+                        "tokens, then --input tokens of its own (vllm bench serve's prefix_repetition dataset)")
+    p.add_argument("--prefix-len", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-metrics", action="store_true",
                    help="also scrape the server's /metrics around each level: its own mean TTFT, queue time and e2e")
@@ -231,8 +235,10 @@ def main() -> None:
     def metrics() -> dict:
         return engine_totals(httpx.get(f"{url}/metrics", timeout=30).text)
 
+    shared = [[rng.randrange(args.vocab) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]
     for c, rate, n in loads:
-        prompts = [[rng.randrange(args.vocab) for _ in range(args.input)] for _ in range(n)]
+        prompts = [(rng.choice(shared) if shared else []) + [rng.randrange(args.vocab) for _ in range(args.input)]
+                   for _ in range(n)]
         before = metrics() if args.engine_metrics else None
         levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key, rate)))
         r = levels[-1]
@@ -252,7 +258,7 @@ def main() -> None:
              "/".join(str(ms(r["itl_s"][k])) for k in ("p50", "p90", "p99")),
              "/".join(str(ms(r["e2e_s"][k])) for k in ("p50", "p99"))] for r in levels]
     data = {"model": name, "url": url if args.url else "started here", "ingress_replicas": args.ingress_replicas, "input_tokens": args.input,
-            "output_tokens": args.output, "levels": levels}
+            "output_tokens": args.output, "prefixes": args.prefixes, "prefix_len": args.prefix_len, "levels": levels}
     report.write(args.name, headers, rows, data, args.out)
     plot(levels, args.out / f"{args.name}.png", f"{name}: {args.input} in / {args.output} out tokens, streaming")
     if any(r["errors"] for r in levels):
