@@ -132,10 +132,11 @@ def vattn_generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
     llm.reset_prefix_cache()
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _sync()
-    start, tokens = time.perf_counter(), 0
-    for messages in [None, *followups]:
-        if messages is not None:
-            prompts = [p + list(o.outputs[0].token_ids) + m for p, o, m in zip(prompts, outputs, messages, strict=True)]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for messages in followups:
+        prompts = [p + list(o.outputs[0].token_ids) + m for p, o, m in zip(prompts, outputs, messages, strict=True)]
         outputs = llm.generate(prompts, params)
         tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
     return time.perf_counter() - start, tokens

@@ -33,10 +33,11 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     torch.cuda.synchronize()
-    start, tokens = time.perf_counter(), 0
-    for messages in [None, *followups]:
-        if messages is not None:
-            prompts = [p + list(o.outputs[0].token_ids) + m for p, o, m in zip(prompts, outputs, messages, strict=True)]
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for messages in followups:
+        prompts = [p + list(o.outputs[0].token_ids) + m for p, o, m in zip(prompts, outputs, messages, strict=True)]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
     return time.perf_counter() - start, tokens

@@ -78,6 +78,7 @@ class Scheduler:
         # how many of them were found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._fresh: set[int] = set()  # pages cached in this schedule(), their K/V computed in the step it makes
         self._next_seq_id = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -99,6 +100,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._fresh.clear()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -110,13 +112,10 @@ class Scheduler:
             if not self._back(seq, seq.num_computed + n, out):
                 break  # seq itself was preempted: it was the last running one
             self._take(seq, n, out)
+            self._cache(seq)
             budget -= n
         if not out.preempted:
             budget = self._admit(budget, out)
-        # Only now: a page this step computes is found from the next step on. (Within the step, a layer's K/V is
-        # written before it is read, but a split token's page is copied before the step, when it holds nothing yet.)
-        for s in out.scheduled:
-            self._cache(s.seq)
         return out
 
     def ends_in_flight(self, seq: Sequence) -> bool:
@@ -182,17 +181,23 @@ class Scheduler:
             seq.request.times.scheduled = seq.request.times.scheduled or time.monotonic()
             self.running.append(seq)
             self._take(seq, n, out)
+            self._cache(seq)
             budget -= n
         return budget
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Keys of the held pages a sequence about to compute from its start can map instead; its last token is
-        always computed (it yields the first sample)."""
+        always computed (it yields the first sample).
+
+        A page this step computes counts too: every layer writes the step's K/V before it reads any. Unless it is the
+        last one mapped and a token runs over its end: that token is computed again, and its write copies the page
+        first -- before the step, when the page holds nothing yet."""
         if self.kv.prefixes is None or seq.status is not SeqStatus.WAITING or seq.num_computed:
             return []
         spec = self.kv.spec
         keys = self.kv.cached_prefix(extend_page_hashes(seq.page_hashes, seq.token_ids, spec, seq.request.cache_salt))
-        while keys and spec.tokens_within(len(keys)) >= seq.num_tokens:
+        while keys and (spec.tokens_within(len(keys)) >= seq.num_tokens
+                        or keys[-1] in self._fresh and spec.splits_token(len(keys))):
             keys.pop()
         return keys
 
@@ -203,7 +208,7 @@ class Scheduler:
         full = self.kv.spec.full_pages(min(seq.num_computed, len(seq.token_ids)))
         if full > seq.num_cached_pages:
             hashes = extend_page_hashes(seq.page_hashes, seq.token_ids, self.kv.spec, seq.request.cache_salt)
-            self.kv.cache_pages(seq.slot, hashes[:full], seq.num_cached_pages)
+            self._fresh.update(self.kv.cache_pages(seq.slot, hashes[:full], seq.num_cached_pages))
             seq.num_cached_pages = full
 
     def _full_length(self, seq: Sequence) -> int:

@@ -91,15 +91,19 @@ class PageLedger(NumberedSlotCache):
         self.prefixes.touch(keys)
         self._ops.append(MapKept(slot, tuple(keys)))
 
-    def cache_pages(self, slot: int, hashes: list[BlockHash], first: int) -> None:
+    def cache_pages(self, slot: int, hashes: list[BlockHash], first: int) -> list[int]:
         """Index and hold pages ``first..len(hashes)-1`` of ``slot`` (full: their K/V written, or being written by a
-        step already scheduled), but those whose hash is held already; the whole prefix counts as used now."""
+        step already scheduled), but those whose hash is held already; the whole prefix counts as used now. Returns
+        the new pages' keys."""
+        added = []
         for page in range(first, len(hashes)):
             if hashes[page] not in self.prefixes:
                 key = self.prefixes.add(hashes[page])
                 self.keep(slot, page, key)
                 self._ops.append(KeepPage(slot, page, key))
+                added.append(key)
         self.prefixes.touch(self.prefixes.match(hashes))
+        return added
 
     def reset_prefixes(self) -> int:
         """Forget every cached prefix and let go of its pages (those running requests hold stay theirs); returns

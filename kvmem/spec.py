@@ -119,6 +119,10 @@ class KVCacheSpec:
             return pages * self.page_size
         return pages * self.page_size // self.token_bytes
 
+    def splits_token(self, pages: int) -> bool:
+        """Whether a token runs over the end of a slot's first ``pages`` pages into the next."""
+        return self.layout != "paged" and pages * self.page_size % self.token_bytes != 0
+
     def page_tokens(self, page: int) -> tuple[int, int]:
         """``[start, stop)``: the tokens with bytes in page ``page`` of a slot (where a page does not hold whole
         tokens, the first and last may lie partly in the pages beside it)."""

@@ -108,7 +108,10 @@ def test_serve_answers_and_a_sigterm_stops_it_leaving_the_port_free(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # nothing listens there any more
+            # As a server binds (SO_REUSEADDR): connections the server closed may wait in TIME_WAIT on the port, but
+            # nothing listens there any more.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

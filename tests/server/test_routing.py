@@ -3,6 +3,8 @@ the start of a request before comes first while it has room and is not overloade
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest
@@ -40,8 +42,13 @@ SYSTEM = "You are a careful assistant. Answer in one sentence, cite nothing, and
 
 
 def pending(*args, **kwargs) -> PendingRequest:
-    """The request the ingress's handle sends: ``EngineServer.add``'s arguments."""
-    return PendingRequest(list(args), kwargs, RequestMetadata(request_id="r", internal_request_id="r", call_method="add"))
+    """The request the ingress's handle sends: ``EngineServer.add``'s arguments (made in an event loop, as Serve's
+    router makes it: it holds a future)."""
+    async def make() -> PendingRequest:
+        return PendingRequest(list(args), kwargs, RequestMetadata(request_id="r", internal_request_id="r",
+                                                                  call_method="add"))
+
+    return asyncio.run(make())
 
 
 def test_the_router_reads_a_requests_start_from_the_engines_add_call():
