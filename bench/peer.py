@@ -69,13 +69,19 @@ class Workload:
         """The roofline floor computes every prompt token: no floor where prefixes are shared."""
         return not self.prefixes and self.turns == 1
 
+    def shared_prefixes(self, config, seed: int) -> list[list[int]]:
+        """The prefixes request i % prefixes starts with."""
+        from throughput import random_prompts
+
+        return random_prompts(config, self.prefixes, self.prefix_lo, self.prefix_hi, seed + 1)
+
     def prompts(self, config, seed: int) -> tuple[list[list[int]], list[list[list[int]]]]:
         """(first prompts, later turns' messages), random token ids as ``throughput.random_prompts`` draws them."""
         from throughput import random_prompts
 
         if not self.prefixes and self.turns == 1:
             return random_prompts(config, self.requests, self.lo, self.hi, seed), []
-        shared = random_prompts(config, self.prefixes, self.prefix_lo, self.prefix_hi, seed + 1)
+        shared = self.shared_prefixes(config, seed)
         own = random_prompts(config, self.requests * self.turns, self.lo, self.hi, seed)
         firsts = [shared[i % self.prefixes] + own[i] for i in range(self.requests)] if self.prefixes else own[: self.requests]
         later = [own[self.requests * t : self.requests * (t + 1)] for t in range(1, self.turns)]

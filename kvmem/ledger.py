@@ -7,7 +7,7 @@ import torch
 from kvmem.errors import KVCacheExhausted
 from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, KeepPage, KVOp, MapKept, SharePrefix
 from kvmem.prefix import BlockHash, PrefixIndex
-from kvmem.slots import Fence, NumberedSlotCache
+from kvmem.slots import Fence, NumberedSlotCache, SlotState
 from kvmem.spec import KVCacheSpec
 
 
@@ -46,11 +46,12 @@ class PageLedger(NumberedSlotCache):
     def ensure(self, slot: int, num_tokens: int) -> None:
         """``SlotCache.ensure``, evicting cached prefix pages first where memory is short (recorded before it).
         A call that changes nothing (mapped ahead already) is not recorded."""
-        unchanged = self.num_tokens(slot) == num_tokens
-        if self.prefixes is not None:
-            self._check_tokens(num_tokens, "num_tokens")
-            with self._lock:
-                self._evict_for(slot, num_tokens)
+        with self._lock:
+            state = self._in_use(slot)
+            unchanged = state.tokens == num_tokens
+            if self.prefixes is not None:
+                self._check_tokens(num_tokens, "num_tokens")
+                self._evict_for(state, num_tokens)
         super().ensure(slot, num_tokens)
         if not unchanged:
             self._ops.append(Ensure(slot, num_tokens))
@@ -117,17 +118,19 @@ class PageLedger(NumberedSlotCache):
             self._ops.append(DropKept(keys))
         return len(keys)
 
-    def _evict_for(self, slot: int, num_tokens: int) -> None:
-        """Before ``ensure(slot, num_tokens)``: while the pool, with what ``reclaim`` could free, is short of
+    def _evict_for(self, state: SlotState, num_tokens: int) -> None:
+        """Before ``ensure`` of ``state``'s slot to ``num_tokens``: while the pool, with what ``reclaim`` could free, is short of
         what it needs, drop held pages that no slot in use holds within its tokens, least recently used first.
         (Dropping a page the slot itself holds past its tokens -- a reused slot's old prefix -- spares the copy
         a write into it would have made.)"""
+        need = self.spec.pages_for(num_tokens)
+        first = state.tokens * self._token_bytes // self._page_bytes  # where the writes start
+        if max(0, need - len(state.pages)) + max(0, min(need, len(state.pages)) - first) <= self._free_pages():
+            return  # the common case: room even if every page written were shared, decided without a scan
         while True:
-            state = self._in_use(slot)
-            need = self.spec.pages_for(num_tokens)
             demand = max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
             if demand <= self._free_pages():
-                return  # the common case, decided without walking every slot's pages
+                return
             short = demand - self._free_pages() - self._reclaimable()
             if short <= 0:
                 return
