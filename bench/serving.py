@@ -168,8 +168,9 @@ def start_server(args) -> tuple[str, str]:
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve_args = {"model": args.model, "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs,
-                  "max_model_len": args.input + args.output + 8, "max_n": 1, "max_pending": 100_000,
-                  "max_num_batched_tokens": args.max_num_batched_tokens}
+                  "max_model_len": args.prefix_len + args.input + args.output + 8, "max_n": 1, "max_pending": 100_000,
+                  "max_num_batched_tokens": args.max_num_batched_tokens,
+                  "enable_prefix_caching": args.enable_prefix_caching}
     if args.device:
         serve_args["device"] = args.device
     serve_args["ingress_replicas"] = args.ingress_replicas
@@ -220,6 +221,8 @@ def main() -> None:
                    help="shared prefixes: each prompt starts with one of this many (drawn at random) of --prefix-len "
                         "tokens, then --input tokens of its own (vllm bench serve's prefix_repetition dataset)")
     p.add_argument("--prefix-len", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server started here (default on, as vattn serve)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-metrics", action="store_true",
                    help="also scrape the server's /metrics around each level: its own mean TTFT, queue time and e2e")
