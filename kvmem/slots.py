@@ -211,8 +211,7 @@ class SlotCache(ABC):
             for index in cow:
                 self._copy_on_write(slot, state, index)
             if need > have:
-                for index, page in enumerate(self._take(need - have), start=have):
-                    self._link(slot, index, page)
+                self._link_run(slot, self._take(need - have))
             state.tokens = num_tokens
 
     def _shared_in_write_range(self, state: SlotState, need: int, num_tokens: int) -> list[int]:
@@ -235,12 +234,10 @@ class SlotCache(ABC):
             if not 0 < tokens <= source.tokens:
                 raise ValueError(f"share_prefix: tokens={tokens} outside (0, {source.tokens}] held by slot {src}")
             n = self.spec.pages_for(tokens)
-            for index in range(n):
-                page = source.pages[index]
-                if index >= len(target.pages):
-                    self._link(dst, index, page)
-                elif target.pages[index] != page:
-                    self._replace(dst, index, page)
+            for index in range(min(n, len(target.pages))):
+                if target.pages[index] != source.pages[index]:
+                    self._replace(dst, index, source.pages[index])
+            self._link_run(dst, source.pages[len(target.pages) : n])
             target.tokens = tokens
             target.expected = max(target.expected, tokens)
 
@@ -272,12 +269,11 @@ class SlotCache(ABC):
             missing = [k for k in keys if k not in self._kept]
             if missing:
                 raise KVCacheError(f"map_kept: no page is kept under keys {missing}")
-            for index, key in enumerate(keys):
-                page = self._kept[key]
-                if index >= len(state.pages):
-                    self._link(slot, index, page)
-                elif state.pages[index] != page:
-                    self._replace(slot, index, page)
+            pages = [self._kept[key] for key in keys]
+            for index in range(min(len(pages), len(state.pages))):
+                if state.pages[index] != pages[index]:
+                    self._replace(slot, index, pages[index])
+            self._link_run(slot, pages[len(state.pages) :])
             state.tokens = self.spec.tokens_within(len(keys))
             state.expected = max(state.expected, state.tokens)
 
@@ -319,6 +315,23 @@ class SlotCache(ABC):
         self._slots[slot].pages.append(page)
         self._incref(page)
         self._attach(slot, index, page)
+
+    def _link_run(self, slot: int, pages: list[Page]) -> None:
+        """Append ``pages`` to ``slot``'s, attached as one run (``_attach_run``)."""
+        if not pages:
+            return
+        state = self._slots[slot]
+        first = len(state.pages)
+        state.pages.extend(pages)
+        for page in pages:
+            self._incref(page)
+        self._attach_run(slot, first, pages)
+
+    def _attach_run(self, slot: int, first: int, pages: list[Page]) -> None:
+        """Make ``pages`` back pages ``first, first + 1, ...`` of ``slot`` (one at a time, unless a subclass can
+        do better)."""
+        for index, page in enumerate(pages, start=first):
+            self._attach(slot, index, page)
 
     def _incref(self, page: Page) -> None:
         count = self._refs.get(page, 0) + 1

@@ -34,6 +34,10 @@ class VMM(Protocol):
     def map(self, va: int, size: int, handle: Any) -> None:
         """Map ``handle`` read-write at ``va`` (the range must be unmapped)."""
 
+    def map_run(self, va: int, size: int, handles: list[Any]) -> None:
+        """Map ``handles`` back to back from ``va``, ``size`` bytes each, read-write (the range must be unmapped).
+        Each stays its own mapping (``unmap`` one at a time); CUDA sets the access of the whole run in one call."""
+
     def map_zero(self, va: int, size: int) -> None:
         """Map read-only zeros at ``va`` so that stray reads see zeros instead of faulting."""
 

@@ -97,6 +97,15 @@ class HostVMM:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         self._mmap("map", va, size, prot, mmap.MAP_SHARED | MAP_FIXED, self._fd, handle.offset)
 
+    def map_run(self, va: int, size: int, handles: list[HostPage]) -> None:
+        for i, handle in enumerate(handles):
+            try:
+                self.map(va + i * size, size, handle)
+            except VMMError:
+                for done in range(i):
+                    self.unmap(va + done * size, size)
+                raise
+
     def map_zero(self, va: int, size: int) -> None:
         # Private anonymous read-only memory reads as the kernel's zero page and costs no memory.
         self._mmap("map_zero", va, size, mmap.PROT_READ, _ANON | MAP_FIXED)

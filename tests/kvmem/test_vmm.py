@@ -95,3 +95,28 @@ def test_slot_rows_round_up_to_whole_pages():
     assert spec.slot_tokens % 512 == 0 and spec.slot_tokens >= 1000
     assert spec.slot_bytes % spec.page_size == 0
     assert (spec.pages_for(34), spec.pages_for(35)) == (1, 2)  # token 35 straddles the 2 MiB boundary
+
+
+def test_a_run_of_pages_mapped_at_once_is_each_its_own_mapping(vmm):
+    """``map_run``: CUDA sets the access of the whole run in one call; each page still unmaps alone, and a run that
+    cannot be mapped leaves nothing mapped."""
+    page = vmm.granularity
+    va = vmm.reserve(4 * page)
+    handles = [vmm.create(page) for _ in range(3)]
+    vmm.map_run(va, page, handles)
+    view = vmm.tensor(va, 3 * page)
+    for i in range(3):
+        view[i * page : (i + 1) * page] = i + 1
+    vmm.unmap(va + page, page)  # the middle one alone
+    vmm.map(va + page, page, handles[1])
+    assert [int(view[i * page + 7]) for i in range(3)] == [1, 2, 3]
+    for i in range(3):
+        vmm.unmap(va + i * page, page)
+    with pytest.raises(VMMError, match=r"(mmap|cuMemMap)\("):
+        vmm.map_run(va + 1, page, handles[:2])  # misaligned
+    vmm.map_run(va, page, handles)  # the failed run left the range unmapped
+    for i in range(3):
+        vmm.unmap(va + i * page, page)
+    for h in handles:
+        vmm.release(h)
+    vmm.free(va, 4 * page)
