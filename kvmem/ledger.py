@@ -113,14 +113,17 @@ class PageLedger(NumberedSlotCache):
             return 0
         keys = tuple(self.prefixes.eviction_order())
         if keys:
-            self.drop_kept(keys)
-            self.prefixes.remove(keys)
-            self._ops.append(DropKept(keys))
+            self._evict(keys)
         return len(keys)
 
+    def _evict(self, keys: tuple[int, ...]) -> None:
+        self.drop_kept(keys)
+        self.prefixes.remove(keys)
+        self._ops.append(DropKept(keys))
+
     def _evict_for(self, state: SlotState, num_tokens: int) -> None:
-        """Before ``ensure`` of ``state``'s slot to ``num_tokens``: while the pool, with what ``reclaim`` could free, is short of
-        what it needs, drop held pages that no slot in use holds within its tokens, least recently used first.
+        """Before ``state``'s slot is backed to ``num_tokens``: while the pool, with what ``reclaim`` could free, is
+        short of what it needs, drop held pages that no slot in use holds within its tokens, least recently used first.
         (Dropping a page the slot itself holds past its tokens -- a reused slot's old prefix -- spares the copy
         a write into it would have made.)"""
         need = self.spec.pages_for(num_tokens)
@@ -146,9 +149,7 @@ class PageLedger(NumberedSlotCache):
                     victims.append(key)
             if len(victims) < short:
                 return  # not enough even with all of them: ensure raises, and the cache keeps them
-            self.drop_kept(victims)
-            self.prefixes.remove(victims)
-            self._ops.append(DropKept(tuple(victims)))
+            self._evict(tuple(victims))
 
     def record(self, op: KVOp) -> None:
         """Add an operation decided outside the ledger (swap out / in) in its place in the order."""
