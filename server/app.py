@@ -14,11 +14,12 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import EngineConfig
 from cluster.config import model_config as model_config_of
-from server.api import BodyLimit, ServerSettings, build_api
+from server.api import BodyLimit, build_api
 from server.args import ServeArgs
 from server.engine import EngineServer
 from server.outputs import OutputCollector
 from server.routing import STATS_PERIOD_S, KVAwareRouter
+from server.serving import ServerSettings
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.config import EngineConfig, parse_size
-from server.api import ServerSettings
+from server.serving import ServerSettings
 
 
 class ServeArgs(BaseModel):

@@ -14,7 +14,7 @@ import ray
 
 from cluster.config import EngineConfig
 from cluster.engine import LLM
-from server.api import ServerSettings
+from server.serving import ServerSettings
 from server.app import AppConfig, build_app
 from server.engine import scheduler_actors
 from tests.server.conftest import serving

@@ -1,0 +1,56 @@
+"""``POST /v1/completions``: prompts in, completions out, whole or streamed (vLLM's ``serving_completion``)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+
+from cluster.outputs import RequestOutput
+from server import protocol as p
+from server.errors import APIError
+from server.serving import OpenAIServing
+from server.text import completion_logprobs
+
+
+class ServingCompletions(OpenAIServing):
+    async def create(self, body: p.CompletionRequest, request: Request):
+        self.check(request, body.model)
+        params = self.sampling(body, body.max_tokens, body.logprobs)
+        prompts = body.prompts
+        items = await self.start(prompts, params, body.stream, cache_salt=body.cache_salt)
+        rid = p.new_id("cmpl")
+        if body.stream:
+            return self.sse(self._stream(items, rid, body, len(prompts)))
+        done = await self.finals(items, len(prompts))
+        for item in done:
+            self.failed(item.output)
+        choices = [p.CompletionChoice(index=item.index * body.n + c.index, text=c.text, finish_reason=c.finish_reason,
+                                      logprobs=completion_logprobs(c.logprobs or (), c.token_texts or {})
+                                      if body.logprobs is not None else None)
+                   for item in done for c in item.output.outputs]
+        return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                    usage=self.usage([i.output for i in done]))
+
+    async def _stream(self, items, rid: str, body: p.CompletionRequest, count: int):
+        finished: list[RequestOutput | None] = [None] * count
+        offsets: dict[tuple[int, int], int] = {}  # where each completion's next logprob token starts in its text
+        async for index, out, c, text, entries in self.deltas(items, body.stops):
+            if isinstance(text, APIError):
+                yield self.event(json.loads(text.response().body))
+                break
+            if out.finished:
+                finished[index] = out
+            logprobs = None
+            if body.logprobs is not None:
+                start = offsets.get((index, c.index), 0)
+                logprobs = completion_logprobs(entries, c.token_texts or {}, start)
+                offsets[index, c.index] = start + sum(map(len, logprobs.tokens))
+            choice = p.CompletionChoice(index=index * body.n + c.index, text=text, finish_reason=c.finish_reason,
+                                        logprobs=logprobs)
+            yield self.event(p.CompletionResponse(id=rid, model=self.model_name, choices=[choice]))
+        else:
+            if body.stream_options and body.stream_options.include_usage:
+                yield self.event(p.CompletionResponse(id=rid, model=self.model_name, choices=[],
+                                                      usage=self.usage([o for o in finished if o is not None])))
+        yield "data: [DONE]\n\n"
