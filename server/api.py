@@ -30,6 +30,7 @@ from server.outputs import OutputCollector
 from server.serving import Pending, ServerSettings
 from server.serving_chat import ServingChat
 from server.serving_completions import ServingCompletions
+from server.serving_tokenization import ServingTokenization
 
 try:
     VERSION = version("vattn")
@@ -97,6 +98,7 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
     pending = Pending(settings.max_pending)
     completions = ServingCompletions(collector, settings, model_name, max_model_len, pending)
     chats = ServingChat(collector, settings, model_name, max_model_len, pending)
+    tokenization = ServingTokenization(collector, settings, model_name, max_model_len, pending)
     history = MemoryHistory()
 
     @app.exception_handler(APIError)
@@ -154,5 +156,13 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
     async def create_chat_completion(body: p.ChatCompletionRequest, request: Request):
         return await chats.create(body, request)
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse)
+    async def tokenize(body: p.TokenizeRequest, request: Request):
+        return await tokenization.tokenize(body, request)
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse)
+    async def detokenize(body: p.DetokenizeRequest, request: Request):
+        return await tokenization.detokenize(body, request)
 
     return app

@@ -13,7 +13,7 @@ import ray
 from ray import serve
 from ray.actor import ActorHandle
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, model_config
 from cluster.ray_engine import RayEngine
 from cluster.ray_executor import Placement
 from cluster.telemetry import EngineSnapshot
@@ -60,6 +60,7 @@ class EngineServer:
         replica = serve.get_replica_context().replica_id.unique_id
         self.engine = RayEngine(config, Placement(group) if group is not None else None, SCHEDULER_PREFIX + replica)
         self.info = ModelInfo(model_name, self.engine.max_model_len)
+        self.vocab_size = model_config(config.model).vocab_size
         self.scheduler = SchedulerRef(SCHEDULER_PREFIX + replica, self.engine.actor)
         self._reports = 0
 
@@ -75,6 +76,20 @@ class EngineServer:
                        for p in prompts]
         await self.engine.actor.add_requests.remote(prompts, [params] * len(prompts), stream, request_ids, consumer)
         return self.scheduler
+
+    async def tokenize(self, prompt: str | None, chat: list[dict] | None, token_strs: bool) -> tuple[list[int], list[str] | None]:
+        """``prompt``'s token ids (or ``chat``'s, through the chat template) as the engine would see them, and each
+        one's text where ``token_strs``."""
+        tokenizer = self.engine.tokenizer
+        ids = tokenizer.encode(tokenizer.apply_chat_template(chat) if chat is not None else prompt)
+        return ids, [tokenizer.decode([i]) for i in ids] if token_strs else None
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens``; a ``ValueError`` naming the ids outside the vocabulary."""
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"tokens {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+        return self.engine.tokenizer.decode(tokens)
 
     async def record_routing_stats(self) -> dict:
         """What ``server.routing.KVAwareRouter`` ranks replicas by (Serve asks every ``STATS_PERIOD_S``)."""

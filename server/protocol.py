@@ -92,6 +92,10 @@ class ChatMessage(BaseModel):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict:
+        """The message as the chat template takes it."""
+        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -208,6 +212,42 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a prompt, or chat messages put through the model's chat template (with the assistant's
+    turn opened, as a chat completion would)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

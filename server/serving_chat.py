@@ -17,7 +17,7 @@ class ServingChat(OpenAIServing):
     async def create(self, body: p.ChatCompletionRequest, request: Request):
         self.check(request, body.model)
         params = self.sampling(body, body.output_limit, (body.top_logprobs or 0) if body.logprobs else None)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         items = await self.start([], params, body.stream, messages, body.cache_salt)
         rid = p.new_id("chatcmpl")
         if body.stream:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -91,6 +92,32 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache_but_not_across_salts(
     chat = client.chat.completions.create(messages=messages, extra_body={"ignore_eos": True, "cache_salt": "tenant-b"},
                                           model="tiny", max_tokens=4, temperature=0)
     assert chat.choices[0].finish_reason == "length"
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(url, local):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text = "The capital of France"
+    r = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True}, headers=auth)
+    assert r.status_code == 200, r.text
+    want = local.tokenizer.encode(text)
+    assert r.json() == {"count": len(want), "max_model_len": 256, "tokens": want,
+                        "token_strs": [local.tokenizer.decode([t]) for t in want]}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}, headers=auth)
+    templated = local.tokenizer.encode(local.tokenizer.apply_chat_template(messages))
+    assert r.json()["tokens"] == templated and r.json()["token_strs"] is None  # what a chat completion computes
+    r = httpx.post(f"{url}/detokenize", json={"model": "tiny", "tokens": want}, headers=auth)
+    assert r.status_code == 200 and r.json() == {"prompt": text}
+    for path, body, status, message in [
+        ("/tokenize", {"model": "tiny", "prompt": "a", "messages": messages}, 400, "give exactly one of prompt and messages"),
+        ("/tokenize", {"model": "tiny"}, 400, "give exactly one of prompt and messages"),
+        ("/tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "model 'gpt-4' does not exist"),
+        ("/detokenize", {"model": "tiny", "tokens": [5, 10**6]}, 400, r"tokens \[1000000\] are outside the vocabulary \[0, 512\)"),
+        ("/detokenize", {"model": "tiny", "tokens": "abc"}, 400, "tokens: Input should be a valid list"),
+    ]:
+        r = httpx.post(f"{url}{path}", json=body, headers=auth)
+        assert r.status_code == status and re.search(message, r.json()["error"]["message"]), r.text
+    assert httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "a"}).status_code == 401
 
 
 def test_streams_add_up_to_the_whole_and_report_usage(client):
