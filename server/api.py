@@ -27,7 +27,7 @@ from server.engine import scheduler_actors
 from server.errors import APIError
 from server.metrics import CONTENT_TYPE, render
 from server.outputs import OutputCollector
-from server.serving import Pending, ServerSettings
+from server.serving import Pending, ServerSettings, authorize
 from server.serving_chat import ServingChat
 from server.serving_completions import ServingCompletions
 from server.serving_tokenization import ServingTokenization
@@ -131,8 +131,9 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
         return Response(render({(model_name, r): s for r, s in snapshots.items() if s is not None}), media_type=CONTENT_TYPE)
 
     @app.get("/dashboard", response_class=HTMLResponse)
-    async def dashboard():
-        """A live page of the KV memory (``server.dashboard``); no API key, like /metrics."""
+    async def dashboard(request: Request):
+        """A live page of the KV memory (``server.dashboard``), behind the API key: it shows the load."""
+        authorize(settings, request)
         snapshots, maps = await asyncio.gather(ask_replicas("snapshot", None), ask_replicas("page_maps", None))
         snapshots = {r: s for r, s in snapshots.items() if s is not None}
         maps = {r: m for r, m in maps.items() if m is not None}

@@ -13,8 +13,9 @@ from server.serving import ServerSettings
 
 
 class ServeArgs(BaseModel):
-    """Sizes take ``"512MiB"``-style strings or bytes. ``api_key`` unset: ``$VATTN_API_KEY`` (a Kubernetes Secret's
-    way in), else the API is open."""
+    """Sizes take ``"512MiB"``-style strings or bytes. ``api_key``: a key, several comma-separated, or a list (vLLM's
+    ``--api-key`` takes several); unset: ``$VATTN_API_KEY`` (a Kubernetes Secret's way in, comma-separated too), else
+    the API is open."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -37,7 +38,7 @@ class ServeArgs(BaseModel):
     enable_prefix_caching: bool = True
     num_replicas: int = Field(1, ge=1)
     ingress_replicas: int = Field(1, ge=1)  # HTTP front replicas: each takes a CPU, and SSE chunks cost CPU
-    api_key: str | None = None
+    api_key: str | list[str] | None = None
     max_body: int = 4 << 20
     max_n: int = Field(16, ge=1)
     max_tokens_limit: int | None = Field(None, ge=1)
@@ -72,6 +73,8 @@ class ServeArgs(BaseModel):
         )
 
     def settings(self) -> ServerSettings:
-        return ServerSettings(api_key=self.api_key or os.environ.get("VATTN_API_KEY") or None,
+        given = self.api_key or os.environ.get("VATTN_API_KEY") or ""
+        keys = tuple(k.strip() for part in ([given] if isinstance(given, str) else given) for k in part.split(","))
+        return ServerSettings(api_keys=tuple(k for k in keys if k),
                               max_body_bytes=self.max_body, max_n=self.max_n, max_tokens=self.max_tokens_limit,
                               max_pending=self.max_pending)

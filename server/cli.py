@@ -27,8 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", help="the name clients use (default: the model directory's name)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=os.environ.get("VATTN_API_KEY"),
-                     help="required as 'Authorization: Bearer KEY' on /v1/* (default: $VATTN_API_KEY; unset: open)")
+    srv.add_argument("--api-key", action="append",
+                     help="required as 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /dashboard; repeat "
+                          "it (or separate by commas) for several (default: $VATTN_API_KEY; unset: open)")
     srv.add_argument("--num-replicas", type=int, default=1, help="engine replicas (data parallel)")
     srv.add_argument("--ingress-replicas", type=int, default=1, help="HTTP front replicas (more for many streams)")
     srv.add_argument("--max-body", type=_size, default=4 << 20, help="largest request body")
@@ -86,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         serve.run(app, route_prefix="/")
         name = args.served_model_name or Path(args.model).name or args.model
-        auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+        auth = ' -H "Authorization: Bearer $KEY"' if serve_args.settings().api_keys else ""  # the key itself stays unprinted
         print(f"\nvattn serves {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it). Try:\n"
               f"  curl http://{args.host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
               f"""-d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'\n""",

@@ -4,6 +4,7 @@ pieces of a response -- usage, engine failures, server-sent events, streamed tex
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,13 +23,25 @@ from worker.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """The API's limits. ``api_key``: required as ``Authorization: Bearer ...`` on ``/v1/*`` when set."""
+    """The API's limits. ``api_keys``: one of them is required as ``Authorization: Bearer ...`` on ``/v1/*``,
+    ``/tokenize``, ``/detokenize`` and ``/dashboard`` (none: the API is open)."""
 
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 << 20
     max_n: int = 16
     max_tokens: int | None = None  # cap on max_tokens (None: the model's context)
     max_pending: int = 1024  # requests the ingress holds at once; more get 429
+
+
+def authorize(settings: ServerSettings, request: Request) -> None:
+    """A 401 unless the request carries one of the server's keys (where it has any). Each key is compared in constant
+    time, and all of them are, so the time taken tells nothing about a guess."""
+    if not settings.api_keys:
+        return
+    given = request.headers.get("authorization", "").encode()
+    matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in settings.api_keys]
+    if not any(matches):
+        raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
 
 
 class Pending:
@@ -56,8 +69,7 @@ class OpenAIServing:
 
     def check(self, request: Request, model: str | None = None) -> None:
         """The API key, and ``model`` (where the request names one) is the one this server serves."""
-        if self.settings.api_key is not None and request.headers.get("authorization") != f"Bearer {self.settings.api_key}":
-            raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+        authorize(self.settings, request)
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "not_found",
                            "model")

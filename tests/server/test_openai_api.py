@@ -27,7 +27,7 @@ ENGINE = dict(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256,
 
 @pytest.fixture(scope="module")
 def url():
-    settings = ServerSettings(api_key=KEY, max_body_bytes=1 << 20, max_n=4)
+    settings = ServerSettings(api_keys=(KEY,), max_body_bytes=1 << 20, max_n=4)
     with serving(lambda: build_app(AppConfig(EngineConfig(distributed="ray", **ENGINE), settings=settings))) as base:
         yield base
 
@@ -118,6 +118,17 @@ def test_tokenize_and_detokenize_in_vllms_shapes(url, local):
         r = httpx.post(f"{url}{path}", json=body, headers=auth)
         assert r.status_code == status and re.search(message, r.json()["error"]["message"]), r.text
     assert httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "a"}).status_code == 401
+
+
+def test_what_reveals_load_or_the_vocabulary_is_behind_the_key_and_health_and_metrics_are_open(url):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/dashboard", "/v1/models"):
+        assert httpx.get(f"{url}{path}").status_code == 401
+        assert httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}x"}).status_code == 401
+        assert httpx.get(f"{url}{path}", headers=auth).status_code == 200
+    for path in ("/tokenize", "/detokenize"):
+        assert httpx.post(f"{url}{path}", json={"model": "tiny", "prompt": "a", "tokens": [5]}).status_code == 401
+    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
 
 
 def test_streams_add_up_to_the_whole_and_report_usage(client):

@@ -42,3 +42,15 @@ def test_the_config_file_starts_a_serving_app():
 def test_bad_args_are_refused_naming_the_field(args, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         app_builder(args)
+
+
+def test_several_api_keys_come_as_a_list_comma_separated_or_from_the_environment(monkeypatch):
+    from server.args import ServeArgs
+
+    assert ServeArgs.parse({"api_key": ["a", "b"]}).settings().api_keys == ("a", "b")
+    assert ServeArgs.parse({"api_key": "a, b,"}).settings().api_keys == ("a", "b")
+    monkeypatch.setenv("VATTN_API_KEY", "k1,k2")
+    assert ServeArgs.parse({}).settings().api_keys == ("k1", "k2")
+    assert ServeArgs.parse({"api_key": "own"}).settings().api_keys == ("own",)  # given beats the environment
+    monkeypatch.delenv("VATTN_API_KEY")
+    assert ServeArgs.parse({}).settings().api_keys == ()  # open
