@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from worker.sampling import SamplingParams
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -47,6 +49,13 @@ class SamplingRequest(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters for this request (``max_tokens`` and ``logprobs`` as its endpoint names them);
+        a ``ValueError`` for a combination they refuse."""
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=max(0, self.top_k), seed=self.seed, n=self.n, stop=self.stops,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

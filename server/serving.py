@@ -75,15 +75,14 @@ class OpenAIServing:
                            "model")
 
     def sampling(self, body: p.SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """``body``'s parameters within this server's limits (``n``, ``max_tokens``: none asked is the most allowed)."""
         if body.n > self.settings.max_n:
             raise APIError(400, f"n={body.n} is over this server's limit of {self.settings.max_n}", param="n")
         cap = self.settings.max_tokens or self.max_model_len
         if max_tokens is not None and max_tokens > cap:
             raise APIError(400, f"max_tokens={max_tokens} is over this server's limit of {cap}", param="max_tokens")
         try:
-            return SamplingParams(max_tokens=max_tokens or cap, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=max(0, body.top_k), seed=body.seed, n=body.n, stop=body.stops,
-                                  ignore_eos=body.ignore_eos, logprobs=logprobs)
+            return body.to_sampling_params(max_tokens or cap, logprobs)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
