@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+import torch
+
 from cluster.config import DTYPES, STRATEGIES, parse_size as _size
 from cluster.errors import PlacementError
 from cluster.engine import LLM
@@ -17,6 +19,10 @@ from kvmem.spec import LAYOUTS
 from worker.attention import BACKENDS
 from worker.config import PRESETS
 from worker.sampling import SamplingParams
+
+
+#: The KV pool's share of what the weights leave on a GPU when no size is given (the chart's default too).
+GPU_KV_FRACTION = 0.9
 
 
 def add_generate(sub) -> None:
@@ -44,9 +50,11 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-layout", choices=LAYOUTS, default="mega")
     parser.add_argument("--attention", choices=BACKENDS)
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--kv-memory", type=_size, help="physical KV pool per worker, e.g. 512MiB or 20GiB (default 1GiB)")
+    size.add_argument("--kv-memory", type=_size,
+                      help="physical KV pool per worker, e.g. 512MiB or 20GiB (default: 1GiB on CPU, a share on a GPU)")
     size.add_argument("--kv-memory-fraction", type=float,
-                      help="instead: this share of each worker's device memory left free by its weights, e.g. 0.9")
+                      help=f"instead: this share of each worker's device memory left free by its weights (default on a "
+                           f"GPU: {GPU_KV_FRACTION})")
     parser.add_argument("--page-size", type=_size, default=2 << 20, help="KV page of the virtual layouts")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens a step computes at most")
@@ -54,27 +62,33 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights at the model directory's config.json shape (benchmarks)")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per stage (Ray)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (Ray)")
+    parser.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                        help="tensor-parallel workers per stage (Ray)")
+    parser.add_argument("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                        help="pipeline stages (Ray)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
     parser.add_argument("--placement-strategy", choices=STRATEGIES, default="STRICT_PACK")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV of prompt prefixes earlier requests computed (vLLM's flag; default on)")
     parser.add_argument("--device")
 
 
-def kv_size(args: argparse.Namespace) -> dict:
-    """The KV pool's size as given: a fixed ``kv_memory`` (else the engine's default) or a fraction."""
+def kv_size(args: argparse.Namespace, device: str) -> dict:
+    """The KV pool's size as given: a fixed ``kv_memory`` or a fraction; neither: on a GPU ``GPU_KV_FRACTION`` of
+    what the weights leave (as the chart), on CPU the engine's default."""
+    if args.kv_memory is None and args.kv_memory_fraction is None:
+        return {"kv_memory_fraction": GPU_KV_FRACTION} if device == "cuda" else {}
     fixed = {"kv_memory": args.kv_memory} if args.kv_memory is not None else {}
     return {**fixed, "kv_memory_fraction": args.kv_memory_fraction}
 
 
-def engine_config(args: argparse.Namespace) -> dict:
-    """``EngineConfig`` keyword arguments from ``engine_options``' values."""
-    return dict(kv_layout=args.kv_layout, attention=args.attention, **kv_size(args), page_size=args.page_size,
+def engine_config(args: argparse.Namespace, device: str) -> dict:
+    """``EngineConfig`` keyword arguments from ``engine_options``' values, for ``device``."""
+    return dict(kv_layout=args.kv_layout, attention=args.attention, **kv_size(args, device), page_size=args.page_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching, cuda_graphs=False if args.enforce_eager else None)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -85,7 +99,7 @@ def generate(args: argparse.Namespace) -> int:
             seed=args.seed, n=args.n, stop=args.stop, ignore_eos=args.ignore_eos,
         )
         llm = LLM(args.model, progress=True, distributed=args.distributed or ("ray" if args.tp * args.pp > 1 else "local"),
-                  **engine_config(args))
+                  **engine_config(args, args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     except (ValueError, FileNotFoundError, ImportError, PlacementError) as exc:  # ImportError: an attention backend's package
         print(f"vattn: error: {exc}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ class ServeArgs(BaseModel):
     load_format: Literal["auto", "dummy"] = "auto"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs (vLLM's name)
     num_replicas: int = Field(1, ge=1)
     ingress_replicas: int = Field(1, ge=1)  # HTTP front replicas: each takes a CPU, and SSE chunks cost CPU
     api_key: str | list[str] | None = None
@@ -70,6 +71,7 @@ class ServeArgs(BaseModel):
             kv_memory=self.kv_memory, kv_memory_fraction=self.kv_memory_fraction, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True, load_format=self.load_format,
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             distributed="ray", placement_strategy=self.placement_strategy, enable_prefix_caching=self.enable_prefix_caching,
+            cuda_graphs=False if self.enforce_eager else None,
         )
 
     def settings(self) -> ServerSettings:

@@ -56,20 +56,20 @@ def _serve(args: argparse.Namespace) -> int:
     from server.args import ServeArgs
     from server.serve_env import local_cluster_env
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         serve_args = ServeArgs.parse(dict(
             model=args.model, served_model_name=args.served_model_name, tensor_parallel_size=args.tp,
-            pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention, **kv_size(args),
+            pipeline_parallel_size=args.pp, kv_layout=args.kv_layout, attention=args.attention, **kv_size(args, device),
             page_size=args.page_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
             placement_strategy=args.placement_strategy, enable_prefix_caching=args.enable_prefix_caching,
-            num_replicas=args.num_replicas,
+            enforce_eager=args.enforce_eager, num_replicas=args.num_replicas,
             ingress_replicas=args.ingress_replicas,
             api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,
             max_pending=args.max_pending,
         ))
         engine = serve_args.engine()
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         plan(engine, model_config(args.model), device)  # bad options fail here, before Ray starts
         app = app_builder(serve_args)
     except (ValueError, FileNotFoundError) as exc:

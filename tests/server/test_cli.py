@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from cluster.cli import engine_config, kv_size
 from server.cli import main
 from tests.server.conftest import free_port
 
@@ -115,3 +116,19 @@ def test_serve_answers_and_a_sigterm_stops_it_leaving_the_port_free(tmp_path):
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_vllm_spellings_of_the_engine_options_and_the_gpu_default_pool():
+    from server.cli import _parser
+
+    args = _parser().parse_args(["serve", "-tp", "2", "--pipeline-parallel-size", "2", "--enforce-eager",
+                                 "--no-enable-prefix-caching"])
+    assert (args.tp, args.pp, args.enforce_eager, args.enable_prefix_caching) == (2, 2, True, False)
+    assert _parser().parse_args(["generate", "--prompt", "a", "--tensor-parallel-size", "2", "-pp", "3"]).tp == 2
+    # No size given: on a GPU the share of memory the weights leave (as the chart), on CPU the engine's default.
+    plain = _parser().parse_args(["serve"])
+    assert kv_size(plain, "cuda") == {"kv_memory_fraction": 0.9} and kv_size(plain, "cpu") == {}
+    sized = _parser().parse_args(["serve", "--kv-memory", "2GiB"])
+    assert kv_size(sized, "cuda") == {"kv_memory": 2 << 30, "kv_memory_fraction": None}
+    eager = engine_config(_parser().parse_args(["generate", "--prompt", "a", "--enforce-eager"]), "cuda")
+    assert eager["cuda_graphs"] is False and eager["kv_memory_fraction"] == 0.9
