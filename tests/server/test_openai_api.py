@@ -217,8 +217,6 @@ def test_bad_completion_requests_get_their_4xx_and_message(url, body, status, me
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
-    import re
-
     assert re.search(message, error["message"]), error["message"]
 
 
