@@ -307,7 +307,7 @@ def floors(args, work: Path) -> dict:
 
 
 def measure_floor(out: Path, names: list[str], seed: int) -> None:
-    from throughput import ceilings, floor_seconds, random_prompts
+    from throughput import ceilings, floor_seconds
     from worker.config import PRESETS
 
     ceil = ceilings()
@@ -316,7 +316,7 @@ def measure_floor(out: Path, names: list[str], seed: int) -> None:
         w = WORKLOADS[name]
         if not w.has_floor:
             continue
-        prompts = random_prompts(PRESETS[w.model], w.requests, w.lo, w.hi, seed)
+        prompts, _ = w.prompts(PRESETS[w.model], seed)  # the runs' own prompts, drawn the one way
         result["floors"][name] = floor_seconds(PRESETS[w.model], prompts, w.output, ceil) | {
             "digest": digest(prompts, w.output)}
     out.write_text(json.dumps(result))

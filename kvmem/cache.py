@@ -157,10 +157,10 @@ class VirtualKVCache(SlotCache):
             free = sorted((i for i, s in enumerate(self._slots) if not s.in_use), key=lambda i: -len(self._slots[i].pages))
             mapped = 0
             for slot in free[:slots]:
-                pages = self._slots[slot].pages
-                while len(pages) < need and self._free_pages() > 0:
-                    self._link(slot, len(pages), self._take(1)[0])
-                    mapped += 1
+                n = min(need - len(self._slots[slot].pages), self._free_pages())
+                if n > 0:
+                    self._link_run(slot, self._take(n))
+                    mapped += n
             return mapped
 
     # -- SlotCache hooks -----------------------------------------------------------------------

@@ -311,11 +311,6 @@ class SlotCache(ABC):
             raise ValueError(f"slot {slot} is not in use (never allocated, or freed twice)")
         return state
 
-    def _link(self, slot: int, index: int, page: Page) -> None:
-        self._slots[slot].pages.append(page)
-        self._incref(page)
-        self._attach(slot, index, page)
-
     def _link_run(self, slot: int, pages: list[Page]) -> None:
         """Append ``pages`` to ``slot``'s, attached as one run (``_attach_run``)."""
         if not pages:
