@@ -327,11 +327,14 @@ def compare(results: list[SideResult], floor: dict | None) -> tuple[list[str], l
     better vLLM setting as the peer, vattn / peer, and each against the floor."""
     check_comparable(results)
     walls: dict[tuple[str, str], list[float]] = {}
+    hits: dict[tuple[str, str], list[float]] = {}
     for r in results:
         if r.label.endswith("-profile"):
             continue
         for run in r.runs:
             walls.setdefault((run["workload"], r.label), []).append(run["wall_s"])
+            if run.get("prefix_hit_rate") is not None:
+                hits.setdefault((run["workload"], r.label), []).append(run["prefix_hit_rate"])
     labels = [lab for lab in dict.fromkeys(r.label for r in results) if not lab.endswith("-profile")]
     headers = ["workload"] + [f"{lab} s" for lab in labels] + ["vattn / best vLLM", "floor s", "vattn x floor",
                                                                 "vLLM x floor"]
@@ -345,6 +348,7 @@ def compare(results: list[SideResult], floor: dict | None) -> tuple[list[str], l
         best = min(peers.values()) if peers else None
         ratio = means["vattn"] / best if best and "vattn" in means else None
         ratios[name] = {"vattn_over_vllm": ratio, "means_s": means, "walls_s": {lab: walls[(name, lab)] for lab in means},
+                        "prefix_hit_rate": {lab: statistics.mean(hits[(name, lab)]) for lab in means if (name, lab) in hits},
                         "best_vllm": min(peers, key=peers.get) if peers else None}
         fl = f["total_s"] if f else None
         rows.append([name] + [means.get(lab) for lab in labels] + [

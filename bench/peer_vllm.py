@@ -27,20 +27,23 @@ from peer_spec import SideResult, SideSpec
 
 
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
-             followups: list[list[list[int]]] = ()) -> tuple[float, int]:
-    """Wall seconds and output tokens of one ``generate`` over ``prompts`` from a cold prefix cache, and of one more
-    per later turn (each prompt with its answer and the turn's message), as ``peer.vattn_generate`` runs them."""
+             followups: list[list[list[int]]] = ()) -> tuple[float, int, float]:
+    """Wall seconds, output tokens and prefix cache hit rate (prompt tokens vLLM found cached / prompt tokens) of one
+    ``generate`` over ``prompts`` from a cold prefix cache, and of one more per later turn (each prompt with its
+    answer and the turn's message), as ``peer.vattn_generate`` runs them."""
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    asked, cached = sum(map(len, prompts)), sum(o.num_cached_tokens or 0 for o in outputs)
     for messages in followups:
         prompts = [p + list(o.outputs[0].token_ids) + m for p, o, m in zip(prompts, outputs, messages, strict=True)]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-    return time.perf_counter() - start, tokens
+        asked, cached = asked + sum(map(len, prompts)), cached + sum(o.num_cached_tokens or 0 for o in outputs)
+    return time.perf_counter() - start, tokens, cached / asked
 
 
 def stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[int]]:
@@ -108,8 +111,8 @@ def main() -> None:
                 result.record(w.name, prompts, w.output, round_, wall, tokens, running=counts)
             else:
                 followups = w.followups()
-                wall, tokens = generate(llm, prompts, w.output, followups)
-                result.record(w.name, prompts, w.output, round_, wall, tokens, followups)
+                wall, tokens, hit_rate = generate(llm, prompts, w.output, followups)
+                result.record(w.name, prompts, w.output, round_, wall, tokens, followups, prefix_hit_rate=hit_rate)
             print(f"{spec.label} {w.name} round {round_}: {wall:.3f} s", flush=True)
     if spec.profile:
         prompts = dict((w.name, p) for w, p in workloads)[spec.profile]

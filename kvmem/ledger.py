@@ -132,7 +132,7 @@ class PageLedger(NumberedSlotCache):
             return  # the common case: room even if every page written were shared, decided without a scan
         while True:
             demand = max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
-            if demand <= self._free_pages():
+            if demand <= self._free_pages() or self._reclaims_at_least(demand - self._free_pages()):
                 return
             short = demand - self._free_pages() - self._reclaimable()
             if short <= 0:

@@ -234,9 +234,7 @@ class SlotCache(ABC):
             if not 0 < tokens <= source.tokens:
                 raise ValueError(f"share_prefix: tokens={tokens} outside (0, {source.tokens}] held by slot {src}")
             n = self.spec.pages_for(tokens)
-            for index in range(min(n, len(target.pages))):
-                if target.pages[index] != source.pages[index]:
-                    self._replace(dst, index, source.pages[index])
+            self._replace_run(dst, source.pages[:n])
             self._link_run(dst, source.pages[len(target.pages) : n])
             target.tokens = tokens
             target.expected = max(target.expected, tokens)
@@ -270,9 +268,7 @@ class SlotCache(ABC):
             if missing:
                 raise KVCacheError(f"map_kept: no page is kept under keys {missing}")
             pages = [self._kept[key] for key in keys]
-            for index in range(min(len(pages), len(state.pages))):
-                if state.pages[index] != pages[index]:
-                    self._replace(slot, index, pages[index])
+            self._replace_run(slot, pages)
             self._link_run(slot, pages[len(state.pages) :])
             state.tokens = self.spec.tokens_within(len(keys))
             state.expected = max(state.expected, state.tokens)
@@ -336,14 +332,40 @@ class SlotCache(ABC):
 
     def _unlink(self, slot: int, index: int) -> None:
         state = self._slots[slot]
+        self._await_fence(state)
+        page = state.pages[index]
+        self._detach(slot, index, page)
+        self._decref(page)
+
+    def _await_fence(self, state: SlotState) -> None:
         if state.fence is not None:  # queued work may still read this slot: unmap nothing before it is done
             start = time.perf_counter()
             state.fence.synchronize()
             self._fence_wait_s += time.perf_counter() - start
             state.fence = None
-        page = state.pages[index]
-        self._detach(slot, index, page)
-        self._decref(page)
+
+    def _replace_run(self, slot: int, pages: list[Page], first: int = 0) -> None:
+        """Make pages ``first, first + 1, ...`` of ``slot`` (those it holds already) be ``pages``: where one differs,
+        the slot's own goes (``_swap``, all at once) and the page given takes its place."""
+        state = self._slots[slot]
+        changes = [(i, state.pages[i], page) for i, page in enumerate(pages[: len(state.pages) - first], start=first)
+                   if state.pages[i] != page]
+        if not changes:
+            return
+        self._await_fence(state)
+        for index, _, page in changes:
+            state.pages[index] = page
+            self._incref(page)
+        self._swap(slot, changes)
+        for _, old, _ in changes:
+            self._decref(old)
+
+    def _swap(self, slot: int, changes: list[tuple[int, Page, Page]]) -> None:
+        """For each ``(index, old, new)``: ``new`` backs page ``index`` of ``slot`` instead of ``old`` (one at a time,
+        unless a subclass can do better)."""
+        for index, old, new in changes:
+            self._detach(slot, index, old)
+            self._attach(slot, index, new)
 
     def _decref(self, page: Page) -> None:
         count = self._refs[page] - 1
@@ -367,44 +389,78 @@ class SlotCache(ABC):
         # Stale bytes beyond the slot's valid tokens need no copy.
         if state.tokens * self._token_bytes > index * self._page_bytes:
             self._copy(slot, index, old, new)
-        self._replace(slot, index, new)
-
-    def _replace(self, slot: int, index: int, page: Page) -> None:
-        self._unlink(slot, index)
-        self._slots[slot].pages[index] = page
-        self._incref(page)
-        self._attach(slot, index, page)
+        self._replace_run(slot, [new], index)
 
     def _surplus(self, state: SlotState) -> list[Page]:
         """The pages a slot may let go of: all of a free slot's, those past its expectation for one in use."""
-        return state.pages[self.spec.pages_for(max(state.expected, state.tokens)) if state.in_use else 0:]
+        return state.pages[len(state.pages) - self._num_surplus(state):]
+
+    def _num_surplus(self, state: SlotState) -> int:
+        keep = self.spec.pages_for(max(state.expected, state.tokens)) if state.in_use else 0
+        return max(0, len(state.pages) - keep)
 
     def _reclaimable(self) -> int:
-        """Slot pages freed if every slot let go of its surplus."""
+        """Slot pages freed if every slot let go of its surplus (a walk over every slot's pages)."""
         held = Counter(p for s in self._slots for p in self._surplus(s))
         return sum(1 for page, n in held.items() if self._refs.get(page, 0) == n)
+
+    def _reclaim_order(self) -> list[int]:
+        """Slots with surplus pages, in the order ``reclaim`` takes them: free slots, then slots in use; the most
+        surplus first."""
+        free, used = [], []
+        for i, s in enumerate(self._slots):
+            if n := self._num_surplus(s):
+                (used if s.in_use else free).append((-n, i))
+        return [i for _, i in sorted(free)] + [i for _, i in sorted(used)]
+
+    def _owned_tail(self, state: SlotState, limit: int) -> int:
+        """How many surplus pages, counted from the slot's end and up to ``limit``, the slot alone holds."""
+        pages, n = state.pages, 0
+        for _ in range(min(limit, self._num_surplus(state))):
+            if self._refs[pages[-1 - n]] != 1:
+                break
+            n += 1
+        return n
+
+    def _reclaims_at_least(self, pages: int) -> bool:
+        """Whether ``reclaim``'s first pass (pages their slot alone holds) frees ``pages``; stops once it does,
+        so the common case costs no walk over every page."""
+        found = 0
+        for slot in self._reclaim_order():
+            found += self._owned_tail(self._slots[slot], pages - found)
+            if found >= pages:
+                return True
+        return False
 
     def _make_room(self, pages: int, slot: int, tokens: int) -> None:
         free = self._free_pages()
         if pages <= free:
             return
-        available = free + self._reclaimable()
-        if pages > available:
-            unit = self.units_per_page
-            raise KVCacheExhausted(pages * unit, available * unit, f"slot {slot} to hold {tokens} tokens")
+        if not self._reclaims_at_least(pages - free):
+            available = free + self._reclaimable()
+            if pages > available:
+                unit = self.units_per_page
+                raise KVCacheExhausted(pages * unit, available * unit, f"slot {slot} to hold {tokens} tokens")
         self._reclaim((pages - free) * self.units_per_page)
         assert self._free_pages() >= pages, "reclaim freed less than it counted"
 
     def _reclaim(self, units: int) -> int:
         start = self._free_pages()
-        while (self._free_pages() - start) * self.units_per_page < units:
-            # Free slots first (the largest first), then the surplus of slots in use.
-            holders = [i for i, s in enumerate(self._slots) if not s.in_use and s.pages] or [
-                i for i, s in enumerate(self._slots) if s.in_use and self._surplus(s)]
-            if not holders:
-                break
-            slot = max(holders, key=lambda i: len(self._surplus(self._slots[i])))
-            self._drop_tail(slot, len(self._slots[slot].pages) - 1)
+        target = start - (-units // self.units_per_page)
+        order = self._reclaim_order()
+        # First only pages their slot alone holds, from each slot's end: letting go of a page that a kept prefix or
+        # another slot holds too unmaps it and frees nothing. Then any surplus (pages free slots share).
+        for owned_only in (True, False):
+            for slot in order:
+                state = self._slots[slot]
+                keep = len(state.pages) - self._num_surplus(state)
+                while len(state.pages) > keep and self._free_pages() < target:
+                    if owned_only and self._refs[state.pages[-1]] != 1:
+                        break
+                    self._unlink(slot, len(state.pages) - 1)
+                    state.pages.pop()
+                if self._free_pages() >= target:
+                    return (self._free_pages() - start) * self.units_per_page
         return (self._free_pages() - start) * self.units_per_page
 
     # -- stats ---------------------------------------------------------------------------------
