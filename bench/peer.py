@@ -12,7 +12,8 @@ peer. The floor is measured in the same call. Results of another call, or of oth
     python bench/peer.py compare RESULT.json ...      # the check and the table, on saved side results
 
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
-the run (``vattn-nocache``: vattn with prefix caching off, for the gain).
+the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-nozero``: no zero page over unmapped
+KV space, for what mapping costs).
 """
 
 from __future__ import annotations
@@ -258,6 +259,8 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
                 "kv_memory": kv, "device": "cuda", "dtype": "bfloat16"}, **common),
             "vattn-nocache": SideSpec(engine="vattn", label="vattn-nocache", model=preset, engine_args=ours | {
                 "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "enable_prefix_caching": False}, **common),
+            "vattn-nozero": SideSpec(engine="vattn", label="vattn-nozero", model=preset, engine_args=ours | {
+                "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "zero_unmapped": False}, **common),
             "vllm": SideSpec(engine="vllm", label="vllm", model=str(model_dir),
                              engine_args=ours | {"kv_cache_memory_bytes": kv}, **common),
             # its defaults, but for the KV bytes where they are what the workload compares
@@ -409,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="both engines on the workloads, alternating, in this call")
     run.add_argument("--workloads", nargs="+", default=["w1"], choices=sorted(WORKLOADS))
     run.add_argument("--sides", nargs="+", default=["vattn", "vllm", "vllm-defaults"],
-                     choices=["vattn", "vattn-nocache", "vllm", "vllm-defaults"])
+                     choices=["vattn", "vattn-nocache", "vattn-nozero", "vllm", "vllm-defaults"])
     run.add_argument("--vllm-site", default="/tmp/vroot/site", help="vLLM's install (the bundle's PYTHONPATH)")
     run.add_argument("--reps", type=int, default=2, help="timed rounds per process")
     run.add_argument("--max-num-batched-tokens", type=int, default=8192)

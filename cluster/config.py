@@ -49,6 +49,9 @@ class EngineConfig:
     map_ahead: bool = True  # map the next step's pages while this one runs (False: in the step; for measurement)
     deferred_reclamation: bool = True  # freed slots keep their pages mapped for the next request (virtual layouts)
     enable_prefix_caching: bool = True  # full blocks of finished and running requests' tokens are reused (vLLM's name)
+    # A read-only zero page over unmapped KV space (virtual layouts): a stray read sees zeros, not a fault that loses
+    # the CUDA context; it about doubles the driver time of mapping and unmapping (bench/README.md).
+    zero_unmapped: bool = True
     block_size: int | None = None  # tokens per block of the ``paged`` layout: 256 for flash-attn's kernel, else 16
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: int = 4 << 30
@@ -242,7 +245,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if device == "cuda" and (attention in in_place or attention == "paged") and not flash_dtype:
         raise ValueError(f"attention {attention!r} runs FlashAttention kernels, which take float16 or bfloat16: got "
                          f"dtype={dtype_name!r} (attention='torch' runs float32)")
-    for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching"):
+    for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching", "zero_unmapped"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
     block_size = config.block_size if config.block_size is not None else 256 if attention in PAGED_KERNELS else 16
@@ -268,7 +271,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     workers = tuple(
         WorkerConfig(config.model, dtype, device, specs[p], None, attention, ranges[p], p, t, tp,
                      config.max_num_seqs if graphs else 0, 0 if graphs else None, swap=config.preemption_mode == "swap",
-                     deferred_reclamation=config.deferred_reclamation, seed=config.seed, progress=config.progress,
+                     deferred_reclamation=config.deferred_reclamation, zero_unmapped=config.zero_unmapped,
+                     seed=config.seed, progress=config.progress,
                      load_format=config.load_format, fills_placeholders=overlap)
         for p in range(pp) for t in range(tp)
     )

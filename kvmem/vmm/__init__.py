@@ -42,7 +42,8 @@ class VMM(Protocol):
         """Map read-only zeros at ``va`` so that stray reads see zeros instead of faulting."""
 
     def unmap(self, va: int, size: int) -> None:
-        """Unmap exactly one earlier ``map``/``map_zero`` range."""
+        """Unmap ``[va, va + size)``: whole earlier ``map``/``map_zero``/``map_run`` pages, one or several adjacent
+        (one driver call for them all on CUDA)."""
 
     def tensor(self, va: int, size: int) -> torch.Tensor:
         """A flat uint8 tensor over ``[va, va + size)`` of a reservation, without copying."""

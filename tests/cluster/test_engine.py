@@ -568,6 +568,7 @@ def test_mapping_in_the_step_and_eager_reclamation_give_the_same_tokens(overlap)
     (dict(block_size="256"), "block_size must be an int >= 1 (tokens a block of the paged layout), got '256'"),
     (dict(map_ahead="no"), "map_ahead must be a bool, got 'no'"),
     (dict(deferred_reclamation=None), "deferred_reclamation must be a bool, got None"),
+    (dict(zero_unmapped=1), "zero_unmapped must be a bool, got 1"),
 ])
 def test_bad_paging_options_are_refused_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

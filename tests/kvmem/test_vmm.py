@@ -98,8 +98,8 @@ def test_slot_rows_round_up_to_whole_pages():
 
 
 def test_a_run_of_pages_mapped_at_once_is_each_its_own_mapping(vmm):
-    """``map_run``: CUDA sets the access of the whole run in one call; each page still unmaps alone, and a run that
-    cannot be mapped leaves nothing mapped."""
+    """``map_run``: CUDA sets the access of the whole run in one call; each page still unmaps alone, a run that
+    cannot be mapped leaves nothing mapped, and one ``unmap`` takes several adjacent mappings."""
     page = vmm.granularity
     va = vmm.reserve(4 * page)
     handles = [vmm.create(page) for _ in range(3)]
@@ -115,7 +115,9 @@ def test_a_run_of_pages_mapped_at_once_is_each_its_own_mapping(vmm):
     with pytest.raises(VMMError, match=r"(mmap|cuMemMap)\("):
         vmm.map_run(va + 1, page, handles[:2])  # misaligned
     vmm.map_run(va, page, handles)  # the failed run left the range unmapped
-    for i in range(3):
+    vmm.unmap(va, 3 * page)  # adjacent mappings go in one call
+    vmm.map_run(va + page, page, handles[::-1])
+    for i in range(1, 4):
         vmm.unmap(va + i * page, page)
     for h in handles:
         vmm.release(h)
