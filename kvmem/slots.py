@@ -426,10 +426,11 @@ class SlotCache(ABC):
         """Whether ``reclaim``'s first pass (pages their slot alone holds) frees ``pages``; stops once it does,
         so the common case costs no walk over every page."""
         found = 0
-        for slot in self._reclaim_order():
-            found += self._owned_tail(self._slots[slot], pages - found)
-            if found >= pages:
-                return True
+        for state in self._slots:  # the total does not depend on the order: no sort
+            if state.pages:
+                found += self._owned_tail(state, pages - found)
+                if found >= pages:
+                    return True
         return False
 
     def _make_room(self, pages: int, slot: int, tokens: int) -> None:
