@@ -36,10 +36,14 @@ class VirtualKVCache(SlotCache):
         vmm: VMM | None = None,
         *,
         zero_unmapped: bool = True,
+        guard_tokens: int | None = None,
         deferred_reclamation: bool = True,
     ):
         """``deferred_reclamation``: a freed slot keeps its pages mapped for the next request (the paper's
-        deferred reclamation); False unmaps them at once (for measuring what that saves)."""
+        deferred reclamation); False unmaps them at once (for measuring what that saves). ``guard_tokens`` (with
+        ``zero_unmapped``): the zero page backs only that many tokens past each slot's last mapped page -- as far
+        as a kernel's tile may read past a sequence -- and the rest of unmapped space stays unbacked, which spares
+        most of the zero page's driver calls (an attach unmaps one zero run, a detach maps back only a guard's worth)."""
         if spec.layout == "paged":
             raise ValueError("VirtualKVCache takes layout 'per_layer' or 'mega'; use PagedKVCache for 'paged'")
         if pool_bytes < 0:
@@ -54,6 +58,13 @@ class VirtualKVCache(SlotCache):
             )
         self.units_per_page = spec.num_buffers
         self.zero_unmapped = zero_unmapped
+        if guard_tokens is not None and (isinstance(guard_tokens, bool) or not isinstance(guard_tokens, int)
+                                         or guard_tokens < 1 or not zero_unmapped):
+            raise ValueError(f"guard_tokens must be None or an int >= 1 with zero_unmapped, got {guard_tokens!r} "
+                             f"(zero_unmapped={zero_unmapped})")
+        # Zero pages past a slot's mapped ones (all of its unmapped pages without a guard).
+        self._guard = (spec.pages_per_slot if guard_tokens is None
+                       else min(spec.pages_per_slot, -(-guard_tokens * spec.token_bytes // spec.page_bytes)))
         self._bases: list[int] = []
         self._reserve_all()
         self._flat = [self._vmm.tensor(base, spec.buffer_bytes) for base in self._bases]
@@ -76,8 +87,9 @@ class VirtualKVCache(SlotCache):
             for _ in range(spec.num_buffers):
                 self._bases.append(self._vmm.reserve(spec.buffer_bytes))
                 if self.zero_unmapped:
-                    for offset in range(0, spec.buffer_bytes, spec.page_size):
-                        self._vmm.map_zero(self._bases[-1] + offset, spec.page_size)
+                    for slot in range(spec.max_slots):
+                        for index in range(self._guard):
+                            self._vmm.map_zero(self._bases[-1] + self._offset(slot, index), spec.page_size)
         except VMMError as exc:
             self._free_reservations()
             raise KVCacheError(
@@ -88,9 +100,9 @@ class VirtualKVCache(SlotCache):
 
     def _free_reservations(self) -> None:
         for base in self._bases:
-            if self.zero_unmapped:
-                for offset in range(0, self.spec.buffer_bytes, self.spec.page_size):
-                    self._vmm.unmap(base + offset, self.spec.page_size)
+            if self.zero_unmapped:  # every slot holds no page now: its guard is its first pages
+                for slot in range(self.spec.max_slots):
+                    self._vmm.unmap(base + self._offset(slot, 0), self.spec.page_size * self._guard)
             self._vmm.free(base, self.spec.buffer_bytes)
         self._bases.clear()
 
@@ -186,29 +198,24 @@ class VirtualKVCache(SlotCache):
         return self._bases[buffer] + self._offset(slot, index)
 
     def _attach(self, slot: int, index: int, page: Group) -> None:
-        # The hot path of ensure(): kept to the driver calls and little else.
-        size, vmm, handle = self._page_bytes, self._vmm, self._pool.handle
-        offset = self._offset(slot, index)
-        start = time.perf_counter()
-        for base, physical in zip(self._bases, page):
-            if self.zero_unmapped:
-                vmm.unmap(base + offset, size)
-            vmm.map(base + offset, size, handle(physical))
-        self._counters.map_latency_us.append((time.perf_counter() - start) * 1e6)
-        self._counters.maps += 1
+        self._attach_run(slot, index, [page])
 
     def _attach_run(self, slot: int, first: int, pages: list[Group]) -> None:
-        # A run of pages (a prefill chunk, a cached prefix): one access call per buffer for all of them.
-        size, vmm, handle = self._page_bytes, self._vmm, self._pool.handle
-        offset = self._offset(slot, first)
+        # The hot path of ensure() (a prefill chunk, decode growth, a cached prefix): pages appended at ``first``, the
+        # slot's end. Per buffer: one unmap of the zero pages there (H100: 61 us a page in all, against 69 a page at a
+        # time), one mapping of the run with one access call, and the guard moved past the run.
+        size, vmm, handle, n, last = self._page_bytes, self._vmm, self._pool.handle, len(pages), self.spec.pages_per_slot
         start = time.perf_counter()
         for buffer, base in enumerate(self._bases):
-            if self.zero_unmapped:  # one call over the run's zero mappings (H100: 61 us a page in all, not 69)
-                vmm.unmap(base + offset, size * len(pages))
-            vmm.map_run(base + offset, size, [handle(page[buffer]) for page in pages])
-        each = (time.perf_counter() - start) * 1e6 / len(pages)
-        self._counters.map_latency_us.extend([each] * len(pages))
-        self._counters.maps += len(pages)
+            if self.zero_unmapped:
+                vmm.unmap(base + self._offset(slot, first), size * (min(first + n, first + self._guard, last) - first))
+            vmm.map_run(base + self._offset(slot, first), size, [handle(page[buffer]) for page in pages])
+            if self.zero_unmapped:
+                for index in range(max(first + n, first + self._guard), min(first + n + self._guard, last)):
+                    vmm.map_zero(base + self._offset(slot, index), size)
+        each = (time.perf_counter() - start) * 1e6 / n
+        self._counters.map_latency_us.extend([each] * n)
+        self._counters.maps += n
 
     def _swap(self, slot: int, changes: list[tuple[int, Group, Group]]) -> None:
         # A cached prefix mapped over a reused slot's own pages: per run of consecutive pages, one unmap of the old
@@ -232,12 +239,21 @@ class VirtualKVCache(SlotCache):
         self._counters.unmaps += len(changes)
 
     def _detach(self, slot: int, index: int, page: Group) -> None:
-        size, offset = self._page_bytes, self._offset(slot, index)
+        self._detach_run(slot, index, [page])
+
+    def _detach_run(self, slot: int, first: int, pages: list[Group]) -> None:
+        # The slot's last pages, from ``first`` on: per buffer one unmap over them, the zero page back over the guard's
+        # worth of them, and the part of the old guard past the new one unmapped.
+        size, vmm, n, last = self._page_bytes, self._vmm, len(pages), self.spec.pages_per_slot
         for base in self._bases:
-            self._vmm.unmap(base + offset, size)
+            vmm.unmap(base + self._offset(slot, first), size * n)
             if self.zero_unmapped:
-                self._vmm.map_zero(base + offset, size)
-        self._counters.unmaps += 1
+                for index in range(first, min(first + n, first + self._guard)):
+                    vmm.map_zero(base + self._offset(slot, index), size)
+                stale = max(first + n, first + self._guard)
+                if stale < min(first + n + self._guard, last):
+                    vmm.unmap(base + self._offset(slot, stale), size * (min(first + n + self._guard, last) - stale))
+        self._counters.unmaps += n
 
     def _copy(self, slot: int, index: int, src: Group, dst: Group) -> None:
         size, offset = self._page_bytes, self._offset(slot, index)

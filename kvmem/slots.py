@@ -330,13 +330,6 @@ class SlotCache(ABC):
         if count == 2:
             self._num_shared += 1
 
-    def _unlink(self, slot: int, index: int) -> None:
-        state = self._slots[slot]
-        self._await_fence(state)
-        page = state.pages[index]
-        self._detach(slot, index, page)
-        self._decref(page)
-
     def _await_fence(self, state: SlotState) -> None:
         if state.fence is not None:  # queued work may still read this slot: unmap nothing before it is done
             start = time.perf_counter()
@@ -378,10 +371,22 @@ class SlotCache(ABC):
             self._give(page)
 
     def _drop_tail(self, slot: int, keep: int) -> None:
-        pages = self._slots[slot].pages
-        while len(pages) > keep:
-            self._unlink(slot, len(pages) - 1)
-            pages.pop()
+        """Let go of ``slot``'s pages from ``keep`` on, all at once (``_detach_run``)."""
+        state = self._slots[slot]
+        dropped = state.pages[keep:]
+        if not dropped:
+            return
+        self._await_fence(state)
+        self._detach_run(slot, keep, dropped)
+        del state.pages[keep:]
+        for page in dropped:
+            self._decref(page)
+
+    def _detach_run(self, slot: int, first: int, pages: list[Page]) -> None:
+        """Stop ``pages``, the last of ``slot``'s from page ``first`` on, backing it (from the end, one at a time,
+        unless a subclass can do better)."""
+        for index in range(first + len(pages) - 1, first - 1, -1):
+            self._detach(slot, index, pages[index - first])
 
     def _copy_on_write(self, slot: int, state: SlotState, index: int) -> None:
         old = state.pages[index]
@@ -449,17 +454,18 @@ class SlotCache(ABC):
         start = self._free_pages()
         target = start - (-units // self.units_per_page)
         order = self._reclaim_order()
-        # First only pages their slot alone holds, from each slot's end: letting go of a page that a kept prefix or
-        # another slot holds too unmaps it and frees nothing. Then any surplus (pages free slots share).
+        # First only pages their slot alone holds, from each slot's end, each slot's at once: letting go of a page
+        # that a kept prefix or another slot holds too unmaps it and frees nothing. Then any surplus, a page at a time
+        # (a page only free slots share is freed once the last lets go; an owned page may lie under a shared one).
         for owned_only in (True, False):
             for slot in order:
                 state = self._slots[slot]
-                keep = len(state.pages) - self._num_surplus(state)
-                while len(state.pages) > keep and self._free_pages() < target:
-                    if owned_only and self._refs[state.pages[-1]] != 1:
-                        break
-                    self._unlink(slot, len(state.pages) - 1)
-                    state.pages.pop()
+                if owned_only:
+                    self._drop_tail(slot, len(state.pages) - self._owned_tail(state, target - self._free_pages()))
+                else:
+                    keep = len(state.pages) - self._num_surplus(state)
+                    while len(state.pages) > keep and self._free_pages() < target:
+                        self._drop_tail(slot, len(state.pages) - 1)
                 if self._free_pages() >= target:
                     return (self._free_pages() - start) * self.units_per_page
         return (self._free_pages() - start) * self.units_per_page

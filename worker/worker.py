@@ -62,6 +62,7 @@ class WorkerConfig:
     swap: bool = False
     deferred_reclamation: bool = True  # a virtual cache's freed slots keep their pages (the ledger does the same)
     zero_unmapped: bool = True  # a virtual cache maps a read-only zero page over its unmapped space
+    kv_guard_tokens: int | None = None  # ... only over this many tokens past each slot's pages (None: all of it)
     seed: int = 0
     progress: bool = False
     load_format: str = "auto"  # "dummy": random weights at the model directory's shape
@@ -111,7 +112,8 @@ class Worker:
             self.cache = PagedKVCache(c.kv_spec, pool_bytes, self.device)
         else:
             self.cache = VirtualKVCache(c.kv_spec, pool_bytes, default_vmm(self.device),
-                                        deferred_reclamation=c.deferred_reclamation, zero_unmapped=c.zero_unmapped)
+                                        deferred_reclamation=c.deferred_reclamation, zero_unmapped=c.zero_unmapped,
+                                        guard_tokens=c.kv_guard_tokens)
         try:
             self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
                                       c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders)

@@ -4,6 +4,9 @@ A reservation is ``PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``; physic
 offsets of one ``memfd_create`` file, committed with ``fallocate``; mapping is
 ``mmap(MAP_SHARED|MAP_FIXED)`` of such an offset inside the reservation, so the same page mapped at two
 addresses is real sharing. Unmapping maps ``PROT_NONE`` back.
+
+It refuses what CUDA refuses, so that CPU tests catch it: mapping over a mapping, unmapping what is not mapped or
+part of a mapping.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class HostVMM:
         self._fd = os.memfd_create("vattn-kv", os.MFD_CLOEXEC)
         self._file_size = 0
         self._free_offsets: dict[int, list[int]] = {}
+        self._mapped: dict[int, int] = {}  # mapping start -> size
+        self._starts: dict[int, int] = {}  # each granule a mapping covers -> that mapping's start
 
     def _mmap(self, call: str, va: int | None, size: int, prot: int, flags: int, fd: int = -1, off: int = 0) -> int:
         addr = _libc.mmap(va, size, prot, flags, fd, off)
@@ -66,6 +71,9 @@ class HostVMM:
         return self._mmap("reserve", None, size, PROT_NONE, _ANON)
 
     def free(self, va: int, size: int) -> None:
+        inside = next((m for m in self._mapped if va <= m < va + size), None)
+        if inside is not None:
+            raise VMMError(f"free(va={hex(va)}, size={size}): {hex(inside)} is still mapped")
         if _libc.munmap(va, size) != 0:
             raise VMMError(f"munmap(va={hex(va)}, size={size}) failed: {_errno_message()}")
 
@@ -94,8 +102,19 @@ class HostVMM:
     def map(self, va: int, size: int, handle: HostPage) -> None:
         if size != handle.size:
             raise VMMError(f"map(va={hex(va)}): size {size} differs from the page's {handle.size}")
+        self._check_unmapped("map", va, size)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         self._mmap("map", va, size, prot, mmap.MAP_SHARED | MAP_FIXED, self._fd, handle.offset)
+        self._record(va, size)
+
+    def _check_unmapped(self, call: str, va: int, size: int) -> None:
+        taken = next((g for g in range(va, va + size, self.granularity) if g in self._starts), None)
+        if taken is not None:
+            raise VMMError(f"{call}(va={hex(va)}, size={size}): {hex(taken)} is mapped already")
+
+    def _record(self, va: int, size: int) -> None:
+        self._mapped[va] = size
+        self._starts.update((g, va) for g in range(va, va + size, self.granularity))
 
     def map_run(self, va: int, size: int, handles: list[HostPage]) -> None:
         for i, handle in enumerate(handles):
@@ -108,9 +127,22 @@ class HostVMM:
 
     def map_zero(self, va: int, size: int) -> None:
         # Private anonymous read-only memory reads as the kernel's zero page and costs no memory.
+        self._check_unmapped("map_zero", va, size)
         self._mmap("map_zero", va, size, mmap.PROT_READ, _ANON | MAP_FIXED)
+        self._record(va, size)
 
     def unmap(self, va: int, size: int) -> None:
+        at = va
+        while at < va + size:  # whole mappings, one after another, nothing unmapped between
+            if self._starts.get(at) != at or at + self._mapped[at] > va + size:
+                raise VMMError(f"unmap(va={hex(va)}, size={size}): {hex(at)} does not start a mapping that ends "
+                               f"inside the range")
+            at += self._mapped[at]
+        at = va
+        while at < va + size:
+            for g in range(at, at + self._mapped[at], self.granularity):
+                del self._starts[g]
+            at += self._mapped.pop(at)
         self._mmap("unmap", va, size, PROT_NONE, _ANON | MAP_FIXED)
 
     def tensor(self, va: int, size: int) -> torch.Tensor:

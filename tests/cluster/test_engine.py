@@ -563,12 +563,32 @@ def test_mapping_in_the_step_and_eager_reclamation_give_the_same_tokens(overlap)
     assert runs[False, True] == runs[True, True] == runs[True, False]
 
 
+def test_a_zero_page_everywhere_only_as_a_guard_or_none_gives_the_same_tokens():
+    """How unmapped KV space is backed changes no token: shared prefixes (cached, mapped into new slots) under
+    memory pressure (reclaim, eviction), the host VMM refusing what CUDA refuses (a mapping over a mapping)."""
+    kw = dict(kv_memory=96 * 4096 * 2, max_num_seqs=4, max_model_len=256, page_size=4096, device="cpu",
+              max_num_batched_tokens=64)
+    system = list(range(7, 120))
+    prompts = [system + [200 + i, 300 + i] for i in range(6)] + ["hello there", list(range(40, 160))]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = {}
+    for backing in [dict(), dict(kv_guard_tokens=8), dict(zero_unmapped=False)]:
+        with LLM("tiny", **backing, **kw) as llm:
+            runs[str(backing)] = [[o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] for _ in range(2)]
+            assert llm.scheduler.prefix_hits > 0 and llm.cache.stats().unmaps > 0  # pages reclaimed or evicted
+            assert llm.core.ledger.accounting() == llm.cache.accounting()
+    first, *others = runs.values()
+    assert all(run == first for run in others)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(block_size=0), "block_size must be an int >= 1 (tokens a block of the paged layout), got 0"),
     (dict(block_size="256"), "block_size must be an int >= 1 (tokens a block of the paged layout), got '256'"),
     (dict(map_ahead="no"), "map_ahead must be a bool, got 'no'"),
     (dict(deferred_reclamation=None), "deferred_reclamation must be a bool, got None"),
     (dict(zero_unmapped=1), "zero_unmapped must be a bool, got 1"),
+    (dict(kv_guard_tokens=0), "kv_guard_tokens must be None or an int >= 1, with zero_unmapped on; got 0"),
+    (dict(kv_guard_tokens=256, zero_unmapped=False), "kv_guard_tokens must be None or an int >= 1, with zero_unmapped on; got 256"),
 ])
 def test_bad_paging_options_are_refused_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

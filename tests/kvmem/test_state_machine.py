@@ -127,6 +127,19 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.mapped_bytes + stats.free_pages * unit == stats.pool_bytes
 
     @invariant()
+    def zero_pages_back_each_slots_guard(self):
+        """Past each slot's mapped pages, the guard's worth of pages (all of them without a guard) reads zeros."""
+        if not self.virtual or not self.cache.zero_unmapped:
+            return
+        cache, size = self.cache, self.spec.page_size
+        for slot, state in enumerate(cache._slots):
+            first = len(state.pages)
+            stop = min(first + cache._guard, self.spec.pages_per_slot)
+            for flat in cache._flat:
+                lo = cache._offset(slot, first)
+                assert not torch.count_nonzero(flat[lo : lo + (stop - first) * size]), f"slot {slot}'s guard is not zeros"
+
+    @invariant()
     def contents_match_the_model(self):
         for slot, held in self.model.items():
             want = torch.tensor(held, dtype=torch.float32)
@@ -141,13 +154,14 @@ SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None, supp
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["mega", "per_layer"])
-def test_virtual_cache_state_machine(backend, layout):
+@pytest.mark.parametrize("guard_tokens", [None, 1], ids=["zero everywhere", "guard"])
+def test_virtual_cache_state_machine(backend, layout, guard_tokens):
     vmm_probe = make_vmm(backend)  # skips without CUDA
     vmm_probe.close()
     spec = make_spec(backend, layout, max_slots=4, pages_per_slot=3)
 
     def make_cache():
-        return VirtualKVCache(spec, 6 * spec.num_buffers * spec.page_size, make_vmm(backend))
+        return VirtualKVCache(spec, 6 * spec.num_buffers * spec.page_size, make_vmm(backend), guard_tokens=guard_tokens)
 
     run_state_machine_as_test(lambda: CacheMachine(make_cache), settings=SETTINGS)
 
