@@ -13,7 +13,7 @@ peer. The floor is measured in the same call. Results of another call, or of oth
 
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-nozero``: no zero page over unmapped
-KV space, for what mapping costs).
+KV space, for what mapping costs; ``vattn-guard``: the zero page only over 256 tokens past each slot's pages).
 """
 
 from __future__ import annotations
@@ -261,6 +261,8 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
                 "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "enable_prefix_caching": False}, **common),
             "vattn-nozero": SideSpec(engine="vattn", label="vattn-nozero", model=preset, engine_args=ours | {
                 "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "zero_unmapped": False}, **common),
+            "vattn-guard": SideSpec(engine="vattn", label="vattn-guard", model=preset, engine_args=ours | {
+                "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "kv_guard_tokens": 256}, **common),
             "vllm": SideSpec(engine="vllm", label="vllm", model=str(model_dir),
                              engine_args=ours | {"kv_cache_memory_bytes": kv}, **common),
             # its defaults, but for the KV bytes where they are what the workload compares
@@ -412,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="both engines on the workloads, alternating, in this call")
     run.add_argument("--workloads", nargs="+", default=["w1"], choices=sorted(WORKLOADS))
     run.add_argument("--sides", nargs="+", default=["vattn", "vllm", "vllm-defaults"],
-                     choices=["vattn", "vattn-nocache", "vattn-nozero", "vllm", "vllm-defaults"])
+                     choices=["vattn", "vattn-nocache", "vattn-nozero", "vattn-guard", "vllm", "vllm-defaults"])
     run.add_argument("--vllm-site", default="/tmp/vroot/site", help="vLLM's install (the bundle's PYTHONPATH)")
     run.add_argument("--reps", type=int, default=2, help="timed rounds per process")
     run.add_argument("--max-num-batched-tokens", type=int, default=8192)

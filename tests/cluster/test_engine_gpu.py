@@ -173,3 +173,31 @@ def test_prefix_caching_on_cuda_vmm_gives_the_tokens_computed_without_it(attenti
         assert [g[0] for g in got] == [w[0] for w in want]
         same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
         assert same >= 0.9 * sum(map(len, want)), f"only {same} of {sum(map(len, want))} tokens agree"
+
+
+@pytest.mark.parametrize(("layout", "attention", "graphs"), [
+    ("mega", "fa2", True), ("mega", "flash_attn", True), ("per_layer", "flash_attn", False), ("mega", "flashinfer", True),
+])
+def test_kernels_read_nothing_past_a_256_token_guard_or_in_unbacked_space(layout, attention, graphs):
+    """With the zero page only over 256 tokens past each slot's pages (``kv_guard_tokens``), or over nothing, no kernel
+    read faults -- an illegal address would lose the CUDA context -- and every token is the one computed with the zero
+    page everywhere. Eight layers of 8 x 128 K/V heads: 128 tokens a 2 MiB page, so the guard is two pages; random
+    lengths end sequences at every offset of a page; shared prefixes and a pool a third of the demand (reclaim,
+    eviction, preemption)."""
+    needs_attention(attention)
+    config = replace(PRESETS["tiny"], hidden_size=1024, intermediate_size=2048, num_layers=8, num_heads=8,
+                     num_kv_heads=8, head_dim=128)
+    model = random_model(config, torch.bfloat16, "cuda")
+    rng = random.Random(1)
+    systems = [[rng.randrange(3, 500) for _ in range(rng.randint(200, 900))] for _ in range(4)]
+    prompts = [rng.choice(systems)[: rng.randint(1, 900)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 300))]
+               for _ in range(24)]
+    runs = {}
+    for backing in (dict(), dict(kv_guard_tokens=256), dict(zero_unmapped=False)):
+        with LLM(model, kv_layout=layout, attention=attention, cuda_graphs=graphs, dtype="bfloat16", device="cuda",
+                 max_num_seqs=8, max_model_len=1400, kv_memory=96 << 20, **backing) as llm:
+            runs[str(backing)] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+            torch.cuda.synchronize()
+            assert llm.core.ledger.accounting() == llm.cache.accounting()
+    first, *others = runs.values()
+    assert all(run == first for run in others)
