@@ -470,20 +470,32 @@ def main() -> None:
 
 
 def plot(rows: list[list], headers: list[str], path: Path) -> None:
+    """Bars per workload: each side's wall over the roofline floor where the workload has one, else over the best
+    vLLM side's wall (shared prefixes: no floor computes every token), else seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sides = [h[:-2] for h in headers[1:] if h.endswith(" s") and h != "floor s"]
+    peers = [headers.index(f"{s} s") for s in sides if s.startswith("vllm")]
+    floor_col = headers.index("floor s")
+
+    def reference(row: list) -> tuple[float, str]:
+        if row[floor_col]:
+            return row[floor_col], "floor"
+        best = min((row[c] for c in peers if row[c]), default=None)
+        return (best, "best vLLM") if best else (1.0, "s")
+
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / (len(sides) + 1)
     for i, side in enumerate(sides + ["floor"]):
         col = headers.index(f"{side} s")
-        ys = [r[col] / r[headers.index("floor s")] if r[col] and r[headers.index("floor s")] else 0 for r in rows]
+        ys = [r[col] / reference(r)[0] if r[col] else 0 for r in rows]
         ax.bar([j + i * width for j in range(len(rows))], ys, width, label=side)
-    ax.set_xticks([j + width * len(sides) / 2 for j in range(len(rows))], [r[0] for r in rows])
-    ax.set_ylabel("wall / roofline floor (lower is better)")
+    ax.set_xticks([j + width * len(sides) / 2 for j in range(len(rows))],
+                  [f"{r[0]}\n(/ {reference(r)[1]})" for r in rows])
+    ax.set_ylabel("wall / reference (lower is better)")
     ax.axhline(1.0, color="k", lw=0.6)
     ax.legend(fontsize=8)
     fig.tight_layout()
