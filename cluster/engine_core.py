@@ -125,6 +125,8 @@ class EngineCore:
         vocab = self.plan.model.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if outside := [t for t, _ in params.logit_bias if t >= vocab]:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {outside[:8]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the maximum context is {self.max_model_len}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)

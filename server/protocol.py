@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -32,6 +32,9 @@ class SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1: off (vLLM's -1 is accepted)")
+    min_p: float = Field(0.0, ge=0, le=1, description="vLLM's: drop tokens less likely than this share of the likeliest")
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id -> bias in [-100, 100], added to that token's logit (OpenAI's)")
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -54,8 +57,8 @@ class SamplingRequest(BaseModel):
         """The engine's parameters for this request (``max_tokens`` and ``logprobs`` as its endpoint names them);
         a ``ValueError`` for a combination they refuse."""
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(0, self.top_k), seed=self.seed, n=self.n, stop=self.stops,
-                              ignore_eos=self.ignore_eos, logprobs=logprobs)
+                              top_k=max(0, self.top_k), min_p=self.min_p, logit_bias=self.logit_bias or (),
+                              seed=self.seed, n=self.n, stop=self.stops, ignore_eos=self.ignore_eos, logprobs=logprobs)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -10,7 +10,7 @@ from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep,
 from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
 from worker.rope import rope_cache, rope_for
-from worker.sampling import SampledToken, SamplingParams, noise_keys, sample
+from worker.sampling import SampledToken, SamplingParams, noise_keys, sample, with_logit_bias
 from worker.staging import to_device
 
 
@@ -168,7 +168,7 @@ class ModelRunner:
             logits = self.model.logits(h[:rows])
         # And the sampler's kernels, both paths: Triton compiles the draw's the first time it runs, which would
         # otherwise stall the first step that samples a request (and every request batched with it).
-        for params in (SamplingParams(), SamplingParams(top_k=2, top_p=0.5)):
+        for params in (SamplingParams(), SamplingParams(top_k=2, top_p=0.5, min_p=0.1)):
             sample(logits[:2], [params] * 2, [noise_keys(0, 0, 0)] * 2)
 
     def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepOutput:
@@ -227,6 +227,7 @@ class ModelRunner:
         # Greedy rows take one batched argmax, the others one batched draw (``sample``: each row's parameters and
         # noise, no loop over rows on the device); logprobs are worked out on the device too: nothing waits for the
         # device before the step's result is read.
+        raw, logits = logits, with_logit_bias(logits, [chunks[i].params for i in wanted])  # logprobs: the model's own
         tokens = logits.argmax(-1)
         # The draws: every sampled row's first, then the later ones of each n > 1, row by row (``more``'s order).
         sampled = [row for row, i in enumerate(wanted) if not chunks[i].params.greedy]
@@ -250,7 +251,7 @@ class ModelRunner:
         chosen = top_values = top_ids = None
         if logprob_rows:
             rows = to_device(torch.tensor(logprob_rows), logits.device)
-            logp = logits[rows].log_softmax(-1)
+            logp = raw[rows].log_softmax(-1)
             picks = []  # (row among logprob_rows, the draw's place in ``every``), every draw of each
             for j, row in enumerate(logprob_rows):
                 n, start = chunks[wanted[row]].num_samples, later_from.get(row)

@@ -1,4 +1,4 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, logit bias, per-request seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # drop tokens less likely than this share of the likeliest one's probability; 0: off
+    # Added to a token's logit before anything else (greedy too): OpenAI's -100..100, as (token id, bias) pairs;
+    # a dict is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
@@ -41,11 +45,21 @@ class SamplingParams:
         ):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((t, float(b)) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        for token, b in bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got {token!r}: {b!r}")
+        object.__setattr__(self, "logit_bias", bias)
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens > 0, "an int > 0"),
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0 (0 turns it off)"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1] (0 turns it off)"),
             ("n", isinstance(self.n, int) and self.n >= 1, "an int >= 1"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "None or 0..20"),
         ]
@@ -86,9 +100,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
     key_words = to_device(torch.tensor(keys, dtype=torch.int64).reshape(len(params), 2), device)
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
-    if not any(top_k) and all(p == 1.0 for p in top_p):
+    min_p = [p.min_p for p in params]
+    if not any(top_k) and all(p == 1.0 for p in top_p) and not any(min_p):
         return kernels.gumbel_argmax(logits, temperature, key_words)
     scaled = logits / temperature[:, None]
+    if any(min_p):
+        # p >= min_p * p_max is logit >= max logit + log(min_p), after the temperature (vLLM's order); rows at 0 keep all
+        floor = torch.log(to_device(torch.tensor(min_p, dtype=torch.float32), device))
+        scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + floor[:, None], float("-inf"))
     if any(top_k):
         # The largest k on the host (reading it from the device would wait for the step); rows without top-k keep all.
         k_host = [min(k, scaled.shape[-1]) for k in top_k]
@@ -104,3 +123,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
         drop[:, 0] = False  # and the likeliest always: rounding must not leave nothing to draw from
         scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return kernels.gumbel_argmax(scaled, torch.ones_like(temperature), key_words)
+
+
+def with_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with each row's ``logit_bias`` added (a new tensor; the same one where no row has a
+    bias): one scatter for the batch, the indices built on the host."""
+    rows = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+    if not rows:
+        return logits
+    index = to_device(torch.tensor([[r, t] for r, t, _ in rows], dtype=torch.int64), logits.device)
+    values = to_device(torch.tensor([b for _, _, b in rows], dtype=logits.dtype), logits.device)
+    return logits.index_put((index[:, 0], index[:, 1]), values, accumulate=True)

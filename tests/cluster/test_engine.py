@@ -92,6 +92,26 @@ def test_logprobs_in_a_mixed_batch_belong_to_their_own_draws(llm):
                         assert lp.logprob == pytest.approx(max(lp.top_logprobs.values()), abs=1e-6)
 
 
+def test_logit_bias_steers_greedy_and_sampled_rows_and_their_logprobs_stay_the_models(llm):
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = run(llm, "abc", greedy).outputs[0]
+    forced = run(llm, "abc", replace(greedy, logit_bias={7: 100}, logprobs=1)).outputs[0]
+    assert list(forced.token_ids) == [7] * 6
+    assert all(lp.logprob < -0.5 and lp.top_logprobs.keys() != {7} for lp in forced.logprobs)  # the model's, unbiased
+    banned = run(llm, "abc", replace(greedy, logit_bias={plain.token_ids[0]: -100})).outputs[0]
+    assert banned.token_ids[0] != plain.token_ids[0]
+    drawn = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias={9: 100}, ignore_eos=True)
+    assert list(run(llm, "abc", drawn).outputs[0].token_ids) == [9] * 6
+    with pytest.raises(ValueError, match=re.escape("logit_bias token ids must be in [0, ")):
+        llm.generate("abc", replace(greedy, logit_bias={10**7: 1.0}))
+
+
+def test_min_p_of_one_draws_the_greedy_tokens(llm):
+    greedy = run(llm, "hello there", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).outputs[0]
+    drawn = run(llm, "hello there", SamplingParams(max_tokens=8, temperature=1.0, min_p=1.0, seed=11, ignore_eos=True))
+    assert drawn.outputs[0].token_ids == greedy.token_ids
+
+
 def test_logprobs_are_returned(llm):
     out = run(llm, "abc", SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)).outputs[0]
     assert len(out.logprobs) == 3

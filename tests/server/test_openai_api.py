@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import re
 import time
@@ -71,6 +73,19 @@ def test_greedy_completion_and_chat_equal_the_engine(client, local):
                                           extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == want.text and chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len(templated)
+
+
+def test_logit_bias_and_min_p_reach_the_sampler(client, local):
+    """OpenAI's ``logit_bias`` (token ids as strings) forces or bans tokens; vLLM's ``min_p`` of 1 draws the greedy
+    tokens at any temperature -- the same tokens the engine gives for the same parameters."""
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    forced = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, logit_bias={"7": 100},
+                                       extra_body={"ignore_eos": True})
+    want = local.generate("abc", replace(greedy, logit_bias={7: 100}))[0].outputs[0]
+    assert forced.choices[0].text == want.text and list(want.token_ids) == [7] * 6
+    drawn = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=1.0, seed=5,
+                                      extra_body={"ignore_eos": True, "min_p": 1.0})
+    assert drawn.choices[0].text == local.generate("abc", greedy)[0].outputs[0].text
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache_but_not_across_salts(client, local):
@@ -208,6 +223,10 @@ BAD = [
     ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty: Input should be less than"),
     ({"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
     ({"model": "tiny", "prompt": "a", "cache_salt": ""}, 400, "cache_salt: String should have at least 1 character"),
+    ({"model": "tiny", "prompt": "a", "logit_bias": {"5": 101}}, 400, r"logit_bias\.5: Input should be less than or equal to 100"),
+    ({"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}, 400, r"logit_bias\.x\.\[key\]: Input should be a valid integer"),
+    ({"model": "tiny", "prompt": "a", "logit_bias": {"512": 1}}, 400, r"logit_bias token ids must be in \[0, 512\), got \[512\]"),
+    ({"model": "tiny", "prompt": "a", "min_p": 2}, 400, "min_p: Input should be less than or equal to 1"),
 ]
 
 

@@ -4,10 +4,12 @@ draws that depend only on what names them (the seed, the sample, the position), 
 from __future__ import annotations
 
 import math
+import re
 
+import pytest
 import torch
 
-from worker.sampling import SamplingParams, noise_keys, sample
+from worker.sampling import SamplingParams, noise_keys, sample, with_logit_bias
 
 
 def draw_many(logits_row: list[float], params: SamplingParams, count: int) -> torch.Tensor:
@@ -56,3 +58,34 @@ def test_a_top_k_row_cuts_only_itself():
         assert tokens[0] == 0
         seen.update(tokens[1:])
     assert seen == {0, 1, 2, 3}
+
+
+def test_min_p_keeps_the_tokens_at_least_that_share_as_likely_as_the_likeliest_and_spares_other_rows():
+    row = [math.log(p) for p in (0.5, 0.3, 0.15, 0.05)]
+    assert set(draw_many(row, SamplingParams(min_p=0.5), 4000).tolist()) == {0, 1}  # 0.3 >= 0.25 > 0.15
+    assert set(draw_many(row, SamplingParams(min_p=0.3), 4000).tolist()) == {0, 1, 2}
+    assert set(draw_many(row, SamplingParams(min_p=1.0), 400).tolist()) == {0}
+    # after the temperature: at 0.5 the probabilities are (0.5^2, 0.3^2, ...) normalised, 0.3^2 / 0.5^2 = 0.36
+    assert set(draw_many(row, SamplingParams(min_p=0.4, temperature=0.5), 4000).tolist()) == {0}
+    plain, keys = SamplingParams(), [noise_keys(5, 0, p) for p in range(2)]
+    batch = sample(torch.tensor([row] * 2), [SamplingParams(min_p=1.0), plain], keys)
+    assert batch[0] == 0 and batch[1] == sample(torch.tensor([row]), [plain], keys[1:])[0]
+
+
+def test_logit_bias_is_added_to_its_rows_tokens_only():
+    logits = torch.zeros(3, 5)
+    biased = with_logit_bias(logits, [SamplingParams(logit_bias={4: 2.5, 1: -100}), SamplingParams(),
+                                      SamplingParams(logit_bias={0: 1})])
+    assert biased.tolist() == [[0, -100, 0, 0, 2.5], [0] * 5, [1, 0, 0, 0, 0]] and not logits.any()
+    assert with_logit_bias(logits, [SamplingParams()] * 3) is logits
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(min_p=1.5), "min_p must be in [0, 1] (0 turns it off), got 1.5"),
+    (dict(logit_bias={3: 101}), "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got 3: 101.0"),
+    (dict(logit_bias={-1: 1}), "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got -1: 1.0"),
+    (dict(logit_bias={"a": "b"}), "logit_bias must map token ids to numbers, got {'a': 'b'}"),
+])
+def test_bad_min_p_and_logit_bias_are_refused_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**kwargs)
