@@ -1,4 +1,5 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, logit bias, per-request seeds, logprobs."""
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, logit bias, min tokens, per-request
+seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class SamplingParams:
     n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be drawn before this many (vLLM's); stop strings still end it
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
 
@@ -61,6 +63,8 @@ class SamplingParams:
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0 (0 turns it off)"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1] (0 turns it off)"),
             ("n", isinstance(self.n, int) and self.n >= 1, "an int >= 1"),
+            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             f"an int in [0, max_tokens={self.max_tokens}]"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "None or 0..20"),
         ]
         for name, ok, want in checks:
@@ -125,10 +129,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
     return kernels.gumbel_argmax(scaled, torch.ones_like(temperature), key_words)
 
 
-def with_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """``logits`` ``[rows, vocab]`` with each row's ``logit_bias`` added (a new tensor; the same one where no row has a
-    bias): one scatter for the batch, the indices built on the host."""
+def processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int],
+                     eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` as the draw sees them: each row's ``logit_bias`` added, and its EOS (unless it
+    ignores EOS) and ``stop_token_ids`` at -inf while it has made fewer than ``min_tokens`` (``output_indices``: the
+    tokens each row's sequence made before this one). One scatter for the batch, its indices built on the host; the
+    same tensor where no row asks for either."""
     rows = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+    for row, (p, made) in enumerate(zip(params, output_indices, strict=True)):
+        if made < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            rows += [(row, token, float("-inf")) for token in sorted(banned) if token < logits.shape[-1]]
     if not rows:
         return logits
     index = to_device(torch.tensor([[r, t] for r, t, _ in rows], dtype=torch.int64), logits.device)

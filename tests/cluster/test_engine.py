@@ -106,6 +106,17 @@ def test_logit_bias_steers_greedy_and_sampled_rows_and_their_logprobs_stay_the_m
         llm.generate("abc", replace(greedy, logit_bias={10**7: 1.0}))
 
 
+def test_min_tokens_holds_back_eos_and_stop_token_ids(llm):
+    eos = llm.tokenizer.eos_token_ids[0]
+    wants_eos = SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100})
+    assert list(run(llm, "abc", wants_eos).outputs[0].token_ids) == [eos]
+    held = run(llm, "abc", replace(wants_eos, min_tokens=3)).outputs[0]
+    assert len(held.token_ids) == 4 and held.token_ids[-1] == eos and eos not in held.token_ids[:3]
+    assert held.finish_reason == "stop"
+    stop = SamplingParams(max_tokens=8, temperature=1.0, seed=2, logit_bias={11: 100}, stop_token_ids=[11], min_tokens=2)
+    assert list(run(llm, "abc", stop).outputs[0].token_ids)[2:] == [11]
+
+
 def test_min_p_of_one_draws_the_greedy_tokens(llm):
     greedy = run(llm, "hello there", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).outputs[0]
     drawn = run(llm, "hello there", SamplingParams(max_tokens=8, temperature=1.0, min_p=1.0, seed=11, ignore_eos=True))

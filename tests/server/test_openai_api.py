@@ -75,9 +75,10 @@ def test_greedy_completion_and_chat_equal_the_engine(client, local):
     assert chat.usage.prompt_tokens == len(templated)
 
 
-def test_logit_bias_and_min_p_reach_the_sampler(client, local):
+def test_logit_bias_min_p_min_tokens_and_stop_token_ids_reach_the_sampler(client, local):
     """OpenAI's ``logit_bias`` (token ids as strings) forces or bans tokens; vLLM's ``min_p`` of 1 draws the greedy
-    tokens at any temperature -- the same tokens the engine gives for the same parameters."""
+    tokens at any temperature -- the same tokens the engine gives for the same parameters; its ``min_tokens`` holds
+    EOS back, its ``stop_token_ids`` end the output."""
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     forced = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, logit_bias={"7": 100},
                                        extra_body={"ignore_eos": True})
@@ -86,6 +87,13 @@ def test_logit_bias_and_min_p_reach_the_sampler(client, local):
     drawn = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=1.0, seed=5,
                                       extra_body={"ignore_eos": True, "min_p": 1.0})
     assert drawn.choices[0].text == local.generate("abc", greedy)[0].outputs[0].text
+    eos = str(local.tokenizer.eos_token_ids[0])
+    held = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0, logit_bias={eos: 100},
+                                     extra_body={"min_tokens": 3})
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+    stopped = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0, logit_bias={"11": 100},
+                                        extra_body={"stop_token_ids": [11], "ignore_eos": True})
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache_but_not_across_salts(client, local):
@@ -227,6 +235,7 @@ BAD = [
     ({"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}, 400, r"logit_bias\.x\.\[key\]: Input should be a valid integer"),
     ({"model": "tiny", "prompt": "a", "logit_bias": {"512": 1}}, 400, r"logit_bias token ids must be in \[0, 512\), got \[512\]"),
     ({"model": "tiny", "prompt": "a", "min_p": 2}, 400, "min_p: Input should be less than or equal to 1"),
+    ({"model": "tiny", "prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, r"min_tokens must be an int in \[0, max_tokens=4\]"),
 ]
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from worker.sampling import SamplingParams, noise_keys, sample, with_logit_bias
+from worker.sampling import SamplingParams, noise_keys, processed_logits, sample
 
 
 def draw_many(logits_row: list[float], params: SamplingParams, count: int) -> torch.Tensor:
@@ -74,14 +74,23 @@ def test_min_p_keeps_the_tokens_at_least_that_share_as_likely_as_the_likeliest_a
 
 def test_logit_bias_is_added_to_its_rows_tokens_only():
     logits = torch.zeros(3, 5)
-    biased = with_logit_bias(logits, [SamplingParams(logit_bias={4: 2.5, 1: -100}), SamplingParams(),
-                                      SamplingParams(logit_bias={0: 1})])
+    biased = processed_logits(logits, [SamplingParams(logit_bias={4: 2.5, 1: -100}), SamplingParams(),
+                                       SamplingParams(logit_bias={0: 1})], [0, 0, 0], (3,))
     assert biased.tolist() == [[0, -100, 0, 0, 2.5], [0] * 5, [1, 0, 0, 0, 0]] and not logits.any()
-    assert with_logit_bias(logits, [SamplingParams()] * 3) is logits
+    assert processed_logits(logits, [SamplingParams()] * 3, [0, 0, 0], (3,)) is logits
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_a_row_has_made_that_many():
+    inf = float("-inf")
+    params = [SamplingParams(min_tokens=2, stop_token_ids=[1]), SamplingParams(min_tokens=2, stop_token_ids=[1]),
+              SamplingParams(min_tokens=2, ignore_eos=True), SamplingParams(stop_token_ids=[1])]
+    out = processed_logits(torch.zeros(4, 5), params, [1, 2, 0, 0], (3, 4))
+    assert out.tolist() == [[0, inf, 0, inf, inf], [0] * 5, [0] * 5, [0] * 5]  # made 1 of 2; made 2; ignores EOS
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(min_p=1.5), "min_p must be in [0, 1] (0 turns it off), got 1.5"),
+    (dict(min_tokens=20, max_tokens=16), "min_tokens must be an int in [0, max_tokens=16], got 20"),
     (dict(logit_bias={3: 101}), "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got 3: 101.0"),
     (dict(logit_bias={-1: 1}), "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got -1: 1.0"),
     (dict(logit_bias={"a": "b"}), "logit_bias must map token ids to numbers, got {'a': 'b'}"),
