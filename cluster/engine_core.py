@@ -351,9 +351,9 @@ class EngineCore:
         completions = []
         for seq in sorted(r.seqs, key=lambda s: s.sample_index):
             text = self._text(seq)
-            for stop in r.params.stop:
-                if stop in text:
-                    text = text[: text.index(stop)]
+            if hits := [(text.index(stop), stop) for stop in r.params.stop if stop in text]:
+                at, stop = min(hits)  # the earliest; include_stop_str_in_output keeps it
+                text = text[: at + (len(stop) if r.params.include_stop_str_in_output else 0)]
             logprobs = texts = None
             if r.params.logprobs is not None:
                 logprobs, texts = tuple(seq.logprobs), self._token_texts(seq)

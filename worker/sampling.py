@@ -33,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0  # EOS and stop_token_ids cannot be drawn before this many (vLLM's); stop strings still end it
+    include_stop_str_in_output: bool = False  # the stop string that ended the output stays in its text (vLLM's)
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
 

@@ -66,6 +66,8 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(needle)]
     assert len(out.token_ids) < len(full.token_ids)
+    kept = run(llm, "abc", replace(greedy, stop=[needle], include_stop_str_in_output=True)).outputs[0]
+    assert kept.text == full.text[: full.text.index(needle) + 1] and kept.token_ids == out.token_ids
 
 
 def test_logprobs_in_a_mixed_batch_belong_to_their_own_draws(llm):

@@ -78,7 +78,7 @@ def test_greedy_completion_and_chat_equal_the_engine(client, local):
 def test_logit_bias_min_p_min_tokens_and_stop_token_ids_reach_the_sampler(client, local):
     """OpenAI's ``logit_bias`` (token ids as strings) forces or bans tokens; vLLM's ``min_p`` of 1 draws the greedy
     tokens at any temperature -- the same tokens the engine gives for the same parameters; its ``min_tokens`` holds
-    EOS back, its ``stop_token_ids`` end the output."""
+    EOS back, its ``stop_token_ids`` end the output, ``include_stop_str_in_output`` keeps the stop string."""
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     forced = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, logit_bias={"7": 100},
                                        extra_body={"ignore_eos": True})
@@ -94,6 +94,11 @@ def test_logit_bias_min_p_min_tokens_and_stop_token_ids_reach_the_sampler(client
     stopped = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0, logit_bias={"11": 100},
                                         extra_body={"stop_token_ids": [11], "ignore_eos": True})
     assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    whole = local.generate("abc", replace(greedy, max_tokens=12))[0].outputs[0].text
+    needle = next(ch for ch in whole if ch.isalnum())
+    kept = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0, stop=[needle],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == whole[: whole.index(needle) + 1]
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache_but_not_across_salts(client, local):
