@@ -8,7 +8,7 @@ from fastapi import Request
 
 from cluster.outputs import RequestOutput
 from server import protocol as p
-from server.errors import APIError
+from server.errors import APIError, engine_error
 from server.serving import OpenAIServing
 from server.text import completion_logprobs
 
@@ -18,23 +18,33 @@ class ServingCompletions(OpenAIServing):
         self.check(request, body.model)
         params = self.sampling(body, body.max_tokens, body.logprobs)
         prompts = body.prompts
+        echoes = await self._echoes(prompts) if body.echo else [""] * len(prompts)
         items = await self.start(prompts, params, body.stream, cache_salt=body.cache_salt)
         rid = p.new_id("cmpl")
         if body.stream:
-            return self.sse(self._stream(items, rid, body, len(prompts)))
+            return self.sse(self._stream(items, rid, body, echoes))
         done = await self.finals(items, len(prompts))
         for item in done:
             self.failed(item.output)
-        choices = [p.CompletionChoice(index=item.index * body.n + c.index, text=c.text, finish_reason=c.finish_reason,
+        choices = [p.CompletionChoice(index=item.index * body.n + c.index, text=echoes[item.index] + c.text,
+                                      finish_reason=c.finish_reason,
                                       logprobs=completion_logprobs(c.logprobs or (), c.token_texts or {})
                                       if body.logprobs is not None else None)
                    for item in done for c in item.output.outputs]
         return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                     usage=self.usage([i.output for i in done]))
 
-    async def _stream(self, items, rid: str, body: p.CompletionRequest, count: int):
-        finished: list[RequestOutput | None] = [None] * count
+    async def _echoes(self, prompts: list) -> list[str]:
+        """Each prompt's text, for ``echo``: as given, or its token ids decoded."""
+        try:
+            return [pr if isinstance(pr, str) else await self.collector.engine.detokenize.remote(pr) for pr in prompts]
+        except Exception as exc:
+            raise engine_error(exc) from None
+
+    async def _stream(self, items, rid: str, body: p.CompletionRequest, echoes: list[str]):
+        finished: list[RequestOutput | None] = [None] * len(echoes)
         offsets: dict[tuple[int, int], int] = {}  # where each completion's next logprob token starts in its text
+        echoed: set[tuple[int, int]] = set()  # completions whose first chunk (with the prompt, for echo) went out
         async for index, out, c, text, entries in self.deltas(items, body.stops):
             if isinstance(text, APIError):
                 yield self.event(json.loads(text.response().body))
@@ -46,6 +56,9 @@ class ServingCompletions(OpenAIServing):
                 start = offsets.get((index, c.index), 0)
                 logprobs = completion_logprobs(entries, c.token_texts or {}, start)
                 offsets[index, c.index] = start + sum(map(len, logprobs.tokens))
+            if (index, c.index) not in echoed:
+                echoed.add((index, c.index))
+                text = echoes[index] + text
             choice = p.CompletionChoice(index=index * body.n + c.index, text=text, finish_reason=c.finish_reason,
                                         logprobs=logprobs)
             yield self.event(p.CompletionResponse(id=rid, model=self.model_name, choices=[choice]))

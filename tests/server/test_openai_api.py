@@ -101,6 +101,18 @@ def test_logit_bias_min_p_min_tokens_and_stop_token_ids_reach_the_sampler(client
     assert kept.choices[0].text == whole[: whole.index(needle) + 1]
 
 
+def test_echo_puts_the_prompt_before_each_completion_whole_or_streamed(client, local):
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = local.generate("The capital", greedy)[0].outputs[0].text
+    args = dict(model="tiny", max_tokens=8, temperature=0, echo=True, extra_body={"ignore_eos": True})
+    assert client.completions.create(prompt="The capital", **args).choices[0].text == "The capital" + want
+    ids = local.tokenizer.encode("The capital")
+    assert client.completions.create(prompt=ids, **args).choices[0].text == "The capital" + want
+    streamed = "".join(e.choices[0].text for e in client.completions.create(prompt="The capital", stream=True, **args)
+                       if e.choices)
+    assert streamed == "The capital" + want
+
+
 def test_a_repeated_prompt_is_served_from_the_prefix_cache_but_not_across_salts(client, local):
     prompt = "A system prompt every request of this test resends, long enough for a few full blocks."
     block = local.core.ledger.spec.tokens_within(1)  # tokens a page (the tiny model's tokens are bytes)
@@ -240,6 +252,7 @@ BAD = [
     ({"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}, 400, r"logit_bias\.x\.\[key\]: Input should be a valid integer"),
     ({"model": "tiny", "prompt": "a", "logit_bias": {"512": 1}}, 400, r"logit_bias token ids must be in \[0, 512\), got \[512\]"),
     ({"model": "tiny", "prompt": "a", "min_p": 2}, 400, "min_p: Input should be less than or equal to 1"),
+    ({"model": "tiny", "prompt": "a", "echo": True, "logprobs": 1}, 400, "echo with logprobs is not implemented"),
     ({"model": "tiny", "prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, r"min_tokens must be an int in \[0, max_tokens=4\]"),
 ]
 
