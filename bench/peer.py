@@ -89,6 +89,14 @@ class Workload:
         return firsts, later
 
 
+# vattn's sides: its defaults, and the modes measured against them.
+VATTN_SIDES = {
+    "vattn": {},
+    "vattn-nocache": {"enable_prefix_caching": False},  # what prefix caching gains
+    "vattn-nozero": {"zero_unmapped": False},  # what the zero page over unmapped KV space costs
+    "vattn-guard": {"kv_guard_tokens": 256},  # the zero page only over 256 tokens past each slot's pages
+}
+
 WORKLOADS = {
     "w1": Workload("llama-3-8b", 128, 512, 2048, 128, "W1: 128 prompts of 512-2048 tokens, 128 out"),
     "decode": Workload("llama-3-8b", 256, 256, 256, 1024, "decode-heavy: 256 prompts of 256 tokens, 1024 out"),
@@ -254,15 +262,9 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
         budgeted = any(WORKLOADS[n].kv_memory_gib for n in names)
         profile = args.profile if args.profile in names else None
         common = dict(call_id=call_id, workloads=runs, reps=args.reps, profile_tokens=args.profile_tokens)
-        sides = {
-            "vattn": SideSpec(engine="vattn", label="vattn", model=preset, engine_args=ours | {
-                "kv_memory": kv, "device": "cuda", "dtype": "bfloat16"}, **common),
-            "vattn-nocache": SideSpec(engine="vattn", label="vattn-nocache", model=preset, engine_args=ours | {
-                "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "enable_prefix_caching": False}, **common),
-            "vattn-nozero": SideSpec(engine="vattn", label="vattn-nozero", model=preset, engine_args=ours | {
-                "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "zero_unmapped": False}, **common),
-            "vattn-guard": SideSpec(engine="vattn", label="vattn-guard", model=preset, engine_args=ours | {
-                "kv_memory": kv, "device": "cuda", "dtype": "bfloat16", "kv_guard_tokens": 256}, **common),
+        sides = {name: SideSpec(engine="vattn", label=name, model=preset, **common, engine_args=ours | {
+            "kv_memory": kv, "device": "cuda", "dtype": "bfloat16"} | extra) for name, extra in VATTN_SIDES.items()}
+        sides |= {
             "vllm": SideSpec(engine="vllm", label="vllm", model=str(model_dir),
                              engine_args=ours | {"kv_cache_memory_bytes": kv}, **common),
             # its defaults, but for the KV bytes where they are what the workload compares
@@ -414,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="both engines on the workloads, alternating, in this call")
     run.add_argument("--workloads", nargs="+", default=["w1"], choices=sorted(WORKLOADS))
     run.add_argument("--sides", nargs="+", default=["vattn", "vllm", "vllm-defaults"],
-                     choices=["vattn", "vattn-nocache", "vattn-nozero", "vattn-guard", "vllm", "vllm-defaults"])
+                     choices=[*VATTN_SIDES, "vllm", "vllm-defaults"])
     run.add_argument("--vllm-site", default="/tmp/vroot/site", help="vLLM's install (the bundle's PYTHONPATH)")
     run.add_argument("--reps", type=int, default=2, help="timed rounds per process")
     run.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -10,7 +10,7 @@ from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep,
 from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
 from worker.rope import rope_cache, rope_for
-from worker.sampling import SampledToken, SamplingParams, noise_keys, processed_logits, sample
+from worker.sampling import SampledToken, SamplingParams, needs_processing, noise_keys, processed_logits, sample
 from worker.staging import to_device
 
 
@@ -227,8 +227,11 @@ class ModelRunner:
         # Greedy rows take one batched argmax, the others one batched draw (``sample``: each row's parameters and
         # noise, no loop over rows on the device); logprobs are worked out on the device too: nothing waits for the
         # device before the step's result is read.
-        raw, logits = logits, processed_logits(logits, [chunks[i].params for i in wanted],  # logprobs: the model's own
-                                               [chunks[i].output_index for i in wanted], self.model.config.eos_token_ids)
+        asks = [(row, c.params, c.output_index) for row, i in enumerate(wanted)
+                if needs_processing((c := chunks[i]).params, c.output_index)]
+        raw = logits  # logprobs: the model's own
+        if asks:
+            logits = processed_logits(logits, asks, self.model.config.eos_token_ids)
         tokens = logits.argmax(-1)
         # The draws: every sampled row's first, then the later ones of each n > 1, row by row (``more``'s order).
         sampled = [row for row, i in enumerate(wanted) if not chunks[i].params.greedy]

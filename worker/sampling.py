@@ -130,19 +130,25 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
     return kernels.gumbel_argmax(scaled, torch.ones_like(temperature), key_words)
 
 
-def processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int],
+def processed_logits(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, int]],
                      eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """``logits`` ``[rows, vocab]`` as the draw sees them: each row's ``logit_bias`` added, and its EOS (unless it
-    ignores EOS) and ``stop_token_ids`` at -inf while it has made fewer than ``min_tokens`` (``output_indices``: the
-    tokens each row's sequence made before this one). One scatter for the batch, its indices built on the host; the
-    same tensor where no row asks for either."""
-    rows = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
-    for row, (p, made) in enumerate(zip(params, output_indices, strict=True)):
+    """``logits`` ``[rows, vocab]`` as the draw sees them. ``rows``: ``(row, params, made)`` of the rows whose params
+    ask for it (``needs_processing``; ``made``: the tokens its sequence made before this one): their ``logit_bias``
+    added, and their EOS (unless they ignore EOS) and ``stop_token_ids`` at -inf while they have made fewer than
+    ``min_tokens``. One scatter for the batch, its indices built on the host; the same tensor where nothing applies."""
+    entries = []
+    for row, p, made in rows:
+        entries += [(row, token, bias) for token, bias in p.logit_bias]
         if made < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            rows += [(row, token, float("-inf")) for token in sorted(banned) if token < logits.shape[-1]]
-    if not rows:
+            entries += [(row, token, float("-inf")) for token in sorted(banned) if token < logits.shape[-1]]
+    if not entries:
         return logits
-    index = to_device(torch.tensor([[r, t] for r, t, _ in rows], dtype=torch.int64), logits.device)
-    values = to_device(torch.tensor([b for _, _, b in rows], dtype=logits.dtype), logits.device)
+    index = to_device(torch.tensor([[r, t] for r, t, _ in entries], dtype=torch.int64), logits.device)
+    values = to_device(torch.tensor([b for _, _, b in entries], dtype=logits.dtype), logits.device)
     return logits.index_put((index[:, 0], index[:, 1]), values, accumulate=True)
+
+
+def needs_processing(params: SamplingParams, made: int) -> bool:
+    """Whether ``processed_logits`` changes a row with these params whose sequence made ``made`` tokens."""
+    return bool(params.logit_bias) or made < params.min_tokens

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from worker.sampling import SamplingParams, noise_keys, processed_logits, sample
+from worker.sampling import SamplingParams, needs_processing, noise_keys, processed_logits, sample
 
 
 def draw_many(logits_row: list[float], params: SamplingParams, count: int) -> torch.Tensor:
@@ -74,17 +74,20 @@ def test_min_p_keeps_the_tokens_at_least_that_share_as_likely_as_the_likeliest_a
 
 def test_logit_bias_is_added_to_its_rows_tokens_only():
     logits = torch.zeros(3, 5)
-    biased = processed_logits(logits, [SamplingParams(logit_bias={4: 2.5, 1: -100}), SamplingParams(),
-                                       SamplingParams(logit_bias={0: 1})], [0, 0, 0], (3,))
+    params = [SamplingParams(logit_bias={4: 2.5, 1: -100}), SamplingParams(), SamplingParams(logit_bias={0: 1})]
+    asks = [(row, p, 0) for row, p in enumerate(params) if needs_processing(p, 0)]
+    biased = processed_logits(logits, asks, (3,))
     assert biased.tolist() == [[0, -100, 0, 0, 2.5], [0] * 5, [1, 0, 0, 0, 0]] and not logits.any()
-    assert processed_logits(logits, [SamplingParams()] * 3, [0, 0, 0], (3,)) is logits
+    assert [row for row, _, _ in asks] == [0, 2] and processed_logits(logits, [], (3,)) is logits
 
 
 def test_min_tokens_bans_eos_and_stop_token_ids_until_a_row_has_made_that_many():
     inf = float("-inf")
     params = [SamplingParams(min_tokens=2, stop_token_ids=[1]), SamplingParams(min_tokens=2, stop_token_ids=[1]),
               SamplingParams(min_tokens=2, ignore_eos=True), SamplingParams(stop_token_ids=[1])]
-    out = processed_logits(torch.zeros(4, 5), params, [1, 2, 0, 0], (3, 4))
+    made = [1, 2, 0, 0]
+    assert [needs_processing(p, m) for p, m in zip(params, made)] == [True, False, True, False]
+    out = processed_logits(torch.zeros(4, 5), [(r, p, m) for r, (p, m) in enumerate(zip(params, made))], (3, 4))
     assert out.tolist() == [[0, inf, 0, inf, inf], [0] * 5, [0] * 5, [0] * 5]  # made 1 of 2; made 2; ignores EOS
 
 
