@@ -52,9 +52,10 @@ class EngineConfig:
     # A read-only zero page over unmapped KV space (virtual layouts): a stray read sees zeros, not a fault that loses
     # the CUDA context; it about doubles the driver time of mapping and unmapping (bench/README.md).
     zero_unmapped: bool = True
-    # With zero_unmapped: the zero page backs only this many tokens past each slot's mapped pages (the farthest a
-    # kernel's tile reads past a sequence), the rest stays unbacked; None backs all of it (bench/README.md).
-    kv_guard_tokens: int | None = None
+    # With zero_unmapped (ignored without): the zero page backs only this many tokens past each slot's mapped pages (the farthest a
+    # kernel's tile reads past a sequence: every in-place backend passed with 256 on the H100), the rest stays
+    # unbacked; None backs all of it, at about twice the driver time a mapped page (bench/README.md).
+    kv_guard_tokens: int | None = 256
     block_size: int | None = None  # tokens per block of the ``paged`` layout: 256 for flash-attn's kernel, else 16
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: int = 4 << 30
@@ -252,8 +253,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
     guard = config.kv_guard_tokens
-    if guard is not None and (isinstance(guard, bool) or not isinstance(guard, int) or guard < 1 or not config.zero_unmapped):
-        raise ValueError(f"kv_guard_tokens must be None or an int >= 1, with zero_unmapped on; got {guard!r}")
+    if guard is not None and (isinstance(guard, bool) or not isinstance(guard, int) or guard < 1):
+        raise ValueError(f"kv_guard_tokens must be None or an int >= 1, got {guard!r}")
     block_size = config.block_size if config.block_size is not None else 256 if attention in PAGED_KERNELS else 16
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1 (tokens a block of the paged layout), got {block_size!r}")
@@ -278,7 +279,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         WorkerConfig(config.model, dtype, device, specs[p], None, attention, ranges[p], p, t, tp,
                      config.max_num_seqs if graphs else 0, 0 if graphs else None, swap=config.preemption_mode == "swap",
                      deferred_reclamation=config.deferred_reclamation, zero_unmapped=config.zero_unmapped,
-                     kv_guard_tokens=config.kv_guard_tokens,
+                     kv_guard_tokens=config.kv_guard_tokens if config.zero_unmapped else None,
                      seed=config.seed, progress=config.progress,
                      load_format=config.load_format, fills_placeholders=overlap)
         for p in range(pp) for t in range(tp)

@@ -193,7 +193,7 @@ def test_kernels_read_nothing_past_a_256_token_guard_or_in_unbacked_space(layout
     prompts = [rng.choice(systems)[: rng.randint(1, 900)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 300))]
                for _ in range(24)]
     runs = {}
-    for backing in (dict(), dict(kv_guard_tokens=256), dict(zero_unmapped=False)):
+    for backing in (dict(kv_guard_tokens=None), dict(kv_guard_tokens=256), dict(zero_unmapped=False)):
         with LLM(model, kv_layout=layout, attention=attention, cuda_graphs=graphs, dtype="bfloat16", device="cuda",
                  max_num_seqs=8, max_model_len=1400, kv_memory=96 << 20, **backing) as llm:
             runs[str(backing)] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
