@@ -277,7 +277,9 @@ class EngineCore:
             seq = s.seq
             if seq.seq_id not in self._announced:
                 self._announced.add(seq.seq_id)
-                new.append(NewSeq(seq.seq_id, seq.request.params, seq.request.seed, seq.sample_index))
+                history = ((tuple(seq.request.prompt_token_ids), tuple(seq.output_token_ids))
+                           if seq.request.params.penalized else ())
+                new.append(NewSeq(seq.seq_id, seq.request.params, seq.request.seed, seq.sample_index, *history))
             seq_ids.append(seq.seq_id)
             slots.append(seq.slot)
             starts.append(s.start)

@@ -44,8 +44,10 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=0, le=0, description="not implemented: only 0")
-    frequency_penalty: float = Field(0.0, ge=0, le=0, description="not implemented: only 0")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="subtracted from each token's logit once the output has it")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="subtracted per time the output has the token")
+    repetition_penalty: float = Field(1.0, gt=0, description="vLLM's: a prompt or output token's positive logit "
+                                      "divided by this, a negative one multiplied; 1: off")
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, description="vLLM's: only requests with the same salt share "
                                    "cached prefixes (tenants that must not see each other's prompts, even by timing)")
@@ -61,6 +63,8 @@ class SamplingRequest(BaseModel):
         a ``ValueError`` for a combination they refuse."""
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=max(0, self.top_k), min_p=self.min_p, logit_bias=self.logit_bias or (),
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty,
                               min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or (),
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               seed=self.seed, n=self.n, stop=self.stops, ignore_eos=self.ignore_eos, logprobs=logprobs)

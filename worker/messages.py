@@ -26,6 +26,9 @@ class NewSeq:
     params: SamplingParams
     seed: int
     sample_index: int
+    # Penalized sequences only (``params.penalized``): the prompt, and the output the scheduler knew when it sent this.
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

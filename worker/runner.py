@@ -10,6 +10,7 @@ from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep,
 from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
 from worker.rope import rope_cache, rope_for
+from worker.penalties import PenaltyState
 from worker.sampling import SampledToken, SamplingParams, needs_processing, noise_keys, processed_logits, sample
 from worker.staging import to_device
 
@@ -147,6 +148,7 @@ class ModelRunner:
         self._rope = rope_cache(model.config, self.device)
         self._dtype = next(model.parameters()).dtype
         self.samples = samples
+        self._penalties: PenaltyState | None = None  # made for the first penalized sequence
         self._graphs = None
         if graph_batch:
             if self.device.type != "cuda" or backend.reads == "rows":
@@ -174,6 +176,19 @@ class ModelRunner:
     def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepOutput:
         """Run ``plan``; ``inputs`` are the previous pipeline stage's hidden states (none on the first)."""
         return self.launch(plan, inputs).result()
+
+    def track(self, seq_id: int, prompt_token_ids: tuple[int, ...], output_token_ids: tuple[int, ...]) -> None:
+        """Count a penalized sequence's tokens from now on (its prompt, and its output so far), where it is sampled."""
+        if not (self.samples and self.model.is_last):
+            return
+        if self._penalties is None:
+            self._penalties = PenaltyState(self.model.config.vocab_size, self.device)
+        self._penalties.add(seq_id, prompt_token_ids, output_token_ids)
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence ended: what was counted for it goes."""
+        if self._penalties is not None:
+            self._penalties.forget(seq_id)
 
     def launch(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> LaunchedStep:
         """Queue ``plan``'s kernels and its sampling; nothing here waits for the device."""
@@ -232,6 +247,10 @@ class ModelRunner:
         raw = logits  # logprobs: the model's own
         if asks:
             logits = processed_logits(logits, asks, self.model.config.eos_token_ids)
+        penalized = [(row, chunks[i]) for row, i in enumerate(wanted) if chunks[i].params.penalized]
+        if penalized:
+            logits = self._penalties.apply(logits, [row for row, _ in penalized], [c.seq_id for _, c in penalized],
+                                           [c.params for _, c in penalized])
         tokens = logits.argmax(-1)
         # The draws: every sampled row's first, then the later ones of each n > 1, row by row (``more``'s order).
         sampled = [row for row, i in enumerate(wanted) if not chunks[i].params.greedy]
@@ -251,6 +270,9 @@ class ModelRunner:
             tokens[to_device(torch.tensor(sampled), logits.device)] = drawn[: len(sampled)]
             every = torch.cat([tokens, drawn])  # a draw's token: its row's for a first, len(tokens) + its place else
             later = drawn[len(sampled):] if more else None
+        if penalized:  # the token each draws now counts in its next step's penalties, on the device
+            at = to_device(torch.tensor([row for row, _ in penalized]), tokens.device)
+            self._penalties.record([c.seq_id for _, c in penalized], tokens[at])
         logprob_rows = tuple(row for row, i in enumerate(wanted) if chunks[i].params.logprobs is not None)
         chosen = top_values = top_ids = None
         if logprob_rows:

@@ -1,5 +1,5 @@
 """SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, logit bias, min tokens, per-request
-seeds, logprobs."""
+seeds, logprobs (penalties: ``worker.penalties``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ class SamplingParams:
     # Added to a token's logit before anything else (greedy too): OpenAI's -100..100, as (token id, bias) pairs;
     # a dict is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's: subtracted once from every token the output holds (presence), once per time it holds it (frequency).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (CTRL's): a token of the prompt or the output has a positive logit divided by this, a negative one
+    # multiplied; 1: off.
+    repetition_penalty: float = 1.0
     seed: int | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
@@ -63,6 +69,9 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0 (0 turns it off)"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1] (0 turns it off)"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty < float("inf"), "a finite number > 0 (1 turns it off)"),
             ("n", isinstance(self.n, int) and self.n >= 1, "an int >= 1"),
             ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
              f"an int in [0, max_tokens={self.max_tokens}]"),
@@ -71,6 +80,11 @@ class SamplingParams:
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the tokens already in the sequence change this one's logits (``worker.penalties``)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

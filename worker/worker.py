@@ -177,9 +177,12 @@ class Worker:
                 fence.synchronize()
             for seq in step.new_seqs:
                 self._seqs[seq.seq_id] = seq
+                if seq.params.penalized:
+                    self.runner.track(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids)
             for seq_id in step.finished_seqs:
                 self._seqs.pop(seq_id, None)
                 self._last.pop(seq_id, None)
+                self.runner.forget(seq_id)
             maps, fenced, started = self.cache.counters()[0], self.cache.fence_wait_seconds(), time.perf_counter()
             # A freed slot is not waited for here: the queued step (which may still read it) fences its pages,
             # and only a reclaim that unmaps them waits -- most steps free a slot once requests come and go.

@@ -101,6 +101,23 @@ def test_logit_bias_min_p_min_tokens_and_stop_token_ids_reach_the_sampler(client
     assert kept.choices[0].text == whole[: whole.index(needle) + 1]
 
 
+def test_penalties_reach_the_sampler(client, local):
+    """OpenAI's presence and frequency penalties and vLLM's repetition penalty give the tokens the engine gives for
+    them, in completions and chat, whole and streamed; they change the greedy answer."""
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5)
+    want = local.generate("abc", replace(greedy, **penalties, repetition_penalty=1.4))[0].outputs[0].text
+    assert want != local.generate("abc", greedy)[0].outputs[0].text
+    args = dict(model="tiny", max_tokens=24, temperature=0, **penalties,
+                extra_body={"ignore_eos": True, "repetition_penalty": 1.4})
+    assert client.completions.create(prompt="abc", **args).choices[0].text == want
+    assert "".join(c.choices[0].text for c in client.completions.create(prompt="abc", stream=True, **args)) == want
+    messages = [{"role": "user", "content": "hi"}]
+    chat = local.generate(local.tokenizer.apply_chat_template(messages), replace(greedy, **penalties))[0].outputs[0]
+    got = client.chat.completions.create(messages=messages, **{**args, "extra_body": {"ignore_eos": True}})
+    assert got.choices[0].message.content == chat.text
+
+
 def test_echo_puts_the_prompt_before_each_completion_whole_or_streamed(client, local):
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = local.generate("The capital", greedy)[0].outputs[0].text
@@ -245,7 +262,9 @@ BAD = [
     ({"model": "tiny", "prompt": [10**6]}, 400, r"prompt token ids must be ints in \[0, 512\)"),
     ({"model": "tiny"}, 400, "prompt: Field required"),
     ({"model": "gpt-4", "prompt": "a"}, 404, "model 'gpt-4' does not exist; this server serves 'tiny'"),
-    ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty: Input should be less than"),
+    ({"model": "tiny", "prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty: Input should be less than or equal to 2"),
+    ({"model": "tiny", "prompt": "a", "frequency_penalty": -3}, 400, "frequency_penalty: Input should be greater than or equal to -2"),
+    ({"model": "tiny", "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty: Input should be greater than 0"),
     ({"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
     ({"model": "tiny", "prompt": "a", "cache_salt": ""}, 400, "cache_salt: String should have at least 1 character"),
     ({"model": "tiny", "prompt": "a", "logit_bias": {"5": 101}}, 400, r"logit_bias\.5: Input should be less than or equal to 100"),
