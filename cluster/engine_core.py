@@ -320,10 +320,10 @@ class EngineCore:
         look at it every step); once finished, the whole output decoded once, exactly what ``decode`` gives."""
         if seq.status is SeqStatus.FINISHED:
             if seq.final_text is None:
-                seq.final_text = self.tokenizer.decode(seq.output_token_ids)
+                seq.final_text = self.tokenizer.decode(seq.output_token_ids, seq.request.params.skip_special_tokens)
             return seq.final_text
         if seq.detokenizer is None:
-            seq.detokenizer = self.tokenizer.detokenizer()
+            seq.detokenizer = self.tokenizer.detokenizer(seq.request.params.skip_special_tokens)
         new = seq.token_ids[seq.num_prompt_tokens + seq.decoded:]
         seq.decoded += len(new)
         if seq.detokenizer is not DECODE_WHOLE:
@@ -332,7 +332,7 @@ class EngineCore:
                 return seq.text
             except Exception:  # tokenizers' DecodeStream has raised on real tokenizers ("Invalid prefix encountered")
                 seq.detokenizer = DECODE_WHOLE  # this sequence only, from now on: slower, never wrong
-        whole = self.tokenizer.decode(seq.output_token_ids).rstrip("\ufffd")
+        whole = self.tokenizer.decode(seq.output_token_ids, seq.request.params.skip_special_tokens).rstrip("\ufffd")
         if whole.startswith(seq.text):  # streamed text is never taken back
             seq.text = whole
         return seq.text

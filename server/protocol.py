@@ -42,6 +42,7 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(True, description="vLLM's: special tokens (EOS, a template's markers) stay out of the text")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2, description="subtracted from each token's logit once the output has it")
@@ -67,7 +68,8 @@ class SamplingRequest(BaseModel):
                               repetition_penalty=self.repetition_penalty,
                               min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or (),
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              seed=self.seed, n=self.n, stop=self.stops, ignore_eos=self.ignore_eos, logprobs=logprobs)
+                              seed=self.seed, n=self.n, stop=self.stops, ignore_eos=self.ignore_eos,
+                              skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

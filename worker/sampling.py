@@ -41,6 +41,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be drawn before this many (vLLM's); stop strings still end it
     include_stop_str_in_output: bool = False  # the stop string that ended the output stays in its text (vLLM's)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # the output text leaves special tokens (EOS, a template's markers) out
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
 
     def __post_init__(self) -> None:

@@ -20,28 +20,33 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def detokenizer(self) -> Detokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         """A fresh incremental decoder: a sequence's text a token at a time, not all of it again each step."""
 
     def apply_chat_template(self, messages: list[dict]) -> str: ...
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255, then BOS 256 and EOS 257 (the random-weight presets' vocabulary)."""
+    """UTF-8 bytes are ids 0..255, then BOS 256 and EOS 257 (the random-weight presets' vocabulary); the ids above
+    are no text."""
 
     eos_token_ids = (257,)
+    SPECIAL = {256: "<s>", 257: "</s>"}
     has_chat_template = True  # a toy one: "<role>content" lines
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        detok = _ByteDetokenizer(False)
+        return "".join(map(detok.step, ids)) + detok.rest()
 
-    def detokenizer(self) -> Detokenizer:
-        return _ByteDetokenizer()
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+        return _ByteDetokenizer(skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
@@ -71,11 +76,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self) -> Detokenizer:
-        return _StreamDetokenizer(self._tok)
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+        return _StreamDetokenizer(self._tok, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self._template:
@@ -104,20 +109,29 @@ class HFTokenizer:
 
 
 class _ByteDetokenizer:
-    def __init__(self):
+    def __init__(self, skip_special_tokens: bool = True):
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._skip = skip_special_tokens
 
     def step(self, token_id: int) -> str:
-        return self._utf8.decode(bytes((token_id,))) if token_id < 256 else ""
+        if token_id < 256:
+            return self._utf8.decode(bytes((token_id,)))
+        if self._skip or token_id not in ByteTokenizer.SPECIAL:
+            return ""
+        return self._utf8.decode(b"", final=True) + ByteTokenizer.SPECIAL[token_id]  # a split character ends here
+
+    def rest(self) -> str:
+        """What a character cut short at the end decodes to (U+FFFD), as ``decode`` shows it."""
+        return self._utf8.decode(b"", final=True)
 
 
 class _StreamDetokenizer:
     """``tokenizers``' own incremental decoder (it holds back bytes of a character split over tokens)."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
 
-        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tok, token_id) or ""

@@ -118,6 +118,16 @@ def test_penalties_reach_the_sampler(client, local):
     assert got.choices[0].message.content == chat.text
 
 
+def test_skip_special_tokens_false_keeps_eos_in_the_text_whole_and_streamed(client, local):
+    eos = local.tokenizer.eos_token_ids[0]
+    args = dict(model="tiny", prompt="abc", max_tokens=3, temperature=0, logit_bias={str(eos): 100})
+    assert client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text == ""
+    kept = dict(extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    want = local.tokenizer.decode([eos] * 3, skip_special_tokens=False)
+    assert want == "</s>" * 3 and client.completions.create(**args, **kept).choices[0].text == want
+    assert "".join(c.choices[0].text for c in client.completions.create(**args, **kept, stream=True)) == want
+
+
 def test_echo_puts_the_prompt_before_each_completion_whole_or_streamed(client, local):
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = local.generate("The capital", greedy)[0].outputs[0].text

@@ -42,20 +42,29 @@ def hf_tokenizer(request, tmp_path_factory):
     return trained(request.param, tmp_path_factory.mktemp("tok"))
 
 
-def check_prefixes(tokenizer, ids: list[int]) -> None:
-    detok, text = tokenizer.detokenizer(), ""
+def check_prefixes(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> None:
+    detok, text = tokenizer.detokenizer(skip_special_tokens), ""
     for k, token in enumerate(ids, 1):
         text += detok.step(token)
-        whole = tokenizer.decode(ids[:k])
+        whole = tokenizer.decode(ids[:k], skip_special_tokens)
         assert whole.startswith(text), (ids[:k], text, whole)
         held = whole[len(text):]
         assert not held or "\ufffd" in held, (ids[:k], text, whole)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 257), max_size=40))
-def test_bytes(ids):
-    check_prefixes(ByteTokenizer(), ids)
+@given(st.lists(st.integers(0, 257), max_size=40), st.booleans())
+def test_bytes(ids, skip_special_tokens):
+    check_prefixes(ByteTokenizer(), ids, skip_special_tokens)
+
+
+def test_special_tokens_are_text_only_when_asked(tmp_path):
+    assert ByteTokenizer().decode([104, 105, 257, 256]) == "hi"
+    assert ByteTokenizer().decode([104, 105, 257, 0xE6, 256], skip_special_tokens=False) == "hi</s>\ufffd<s>"
+    tok = trained("byte_level", tmp_path)
+    ids = tok.encode("The quick fox") + [tok._tok.token_to_id("<eos>")]
+    assert tok.decode(ids) == "The quick fox" and tok.decode(ids, skip_special_tokens=False) == "The quick fox<eos>"
+    check_prefixes(tok, ids, skip_special_tokens=False)
 
 
 @settings(max_examples=100, deadline=None)
