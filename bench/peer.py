@@ -189,13 +189,15 @@ def vattn_round(llm: LLM, result: SideResult, run: WorkloadRun, prompts: list[li
         wall, tokens = vattn_generate(llm, prompts, run.output, followups)
     after = llm.snapshot()
     stall = after.workers[0].stall_seconds - before.workers[0].stall_seconds
+    device = after.workers[0].device_seconds - before.workers[0].device_seconds
     queries = after.prefix_cache_queries - before.prefix_cache_queries
-    result.record(run.name, prompts, run.output, round_, wall, tokens, followups, stall_s=stall,
+    result.record(run.name, prompts, run.output, round_, wall, tokens, followups, stall_s=stall, device_s=device,
                   steps=after.num_steps - before.num_steps,
                   preemptions=after.num_preemptions - before.num_preemptions,
                   prefix_hit_rate=(after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else None,
                   **extra)
-    print(f"{result.label} {run.name} round {round_}: {wall:.3f} s (stall {stall:.3f} s)", flush=True)
+    print(f"{result.label} {run.name} round {round_}: {wall:.3f} s (stall {stall:.3f} s, device idle "
+          f"{wall - device:.3f} s)", flush=True)
 
 
 def vattn_profile(llm: LLM, spec: SideSpec, prompts: list[list[int]]) -> str:

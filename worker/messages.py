@@ -65,6 +65,8 @@ class WorkerReport:
     busy_seconds: float  # cumulative time inside step execution (KV ops, the step, waiting for the mapper)
     swap_bytes: int
     map_latency_us: tuple[float, ...]  # samples since the previous report
+    # cumulative device time of its steps (CUDA; 0 elsewhere): a run's wall time less this is the device idle
+    device_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

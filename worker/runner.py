@@ -89,11 +89,17 @@ class LaunchedStep:
     # Recorded after the step's kernels and copies (CUDA): waiting for it waits for this step only, not for the
     # steps queued behind it.
     queued: "torch.cuda.Event | None" = None
+    begun: "torch.cuda.Event | None" = None  # recorded before the step's first kernel: with ``queued``, its device time
 
     @property
     def running(self) -> bool:
         """Its kernels are still queued or running on the device."""
         return self.queued is not None and not self.queued.query()
+
+    @property
+    def device_seconds(self) -> float:
+        """From its first kernel's start to its last's end on the device (0 off CUDA); only once ``result`` returned."""
+        return self.begun.elapsed_time(self.queued) / 1e3 if self.begun is not None else 0.0
 
     @property
     def rows(self) -> dict[int, int]:
@@ -192,12 +198,13 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> LaunchedStep:
         """Queue ``plan``'s kernels and its sampling; nothing here waits for the device."""
-        launched = self._queue(plan, inputs)
         if self.device.type != "cuda":
-            return launched
-        queued = torch.cuda.Event()
+            return self._queue(plan, inputs)
+        begun, queued = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begun.record()
+        launched = self._queue(plan, inputs)
         queued.record()
-        return replace(launched, queued=queued)
+        return replace(launched, queued=queued, begun=begun)
 
     @torch.inference_mode()
     def _queue(self, plan: StepPlan, inputs: torch.Tensor | None) -> LaunchedStep:

@@ -88,6 +88,7 @@ class Worker:
         self._last: dict[int, int] = {}  # seq_id -> the token last sampled for it (fills placeholders)
         self._reported_maps = 0
         self._busy = 0.0
+        self._device = 0.0  # device time of the steps finished (CUDA)
         self._in_flight: PendingOutput | None = None  # launched, its result not read yet
 
     def kv_memory_available(self, fraction: float, sharers: int) -> int:
@@ -151,6 +152,7 @@ class Worker:
                 return StepOutput({})
             try:
                 out = pending.launched.result()
+                self._device += pending.launched.device_seconds
                 if self.config.fills_placeholders:  # not for sequences that ended meanwhile (their state is gone)
                     self._last.update((s, drawn[0]) for s, drawn in out.sampled.items() if s in self._seqs)
                 return out
@@ -243,7 +245,7 @@ class Worker:
         self._reported_maps = maps
         return WorkerReport(self.config.pp_rank, self.config.tp_rank, self.cache.slots_in_use(), self.cache.mapped_bytes(),
                             self.cache.free_pages(), maps, unmaps, stall, self._busy, self.swap.used_bytes if self.swap else 0,
-                            latencies)
+                            latencies, self._device)
 
     def close(self) -> None:
         """Stop the mapper and give every byte of KV memory back."""
