@@ -14,7 +14,7 @@ peer. The floor is measured in the same call. Results of another call, or of oth
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-nozero``: no zero page over unmapped
 KV space, for what mapping costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
-``vattn-page8m``: 8 MiB pages; ``vattn-unpaced``: admissions not paced by what mapping their prefixes costs).
+``vattn-page8m``: 8 MiB pages).
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ VATTN_SIDES = {
     "vattn-nozero": {"zero_unmapped": False},  # what the zero page over unmapped KV space costs
     "vattn-noguard": {"kv_guard_tokens": None},  # the zero page over all unmapped KV space, not just a guard
     "vattn-page8m": {"page_size": 8 << 20},  # a quarter of the driver calls a token, at 4x coarser prefix granularity
-    "vattn-unpaced": {"pace_prefix_mapping": False},  # every admission's cached prefix mapped in its step
 }
 
 WORKLOADS = {

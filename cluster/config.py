@@ -56,9 +56,6 @@ class EngineConfig:
     # kernel's tile reads past a sequence: every in-place backend passed with 256 on the H100), the rest stays
     # unbacked; None backs all of it, at about twice the driver time a mapped page (bench/README.md).
     kv_guard_tokens: int | None = 256
-    # Admit requests with cached prefixes only as fast as the device hides mapping those prefixes (cluster/pacing.py);
-    # False maps every admission's prefix in its step, however long that keeps the device waiting.
-    pace_prefix_mapping: bool = True
     block_size: int | None = None  # tokens per block of the ``paged`` layout: 256 for flash-attn's kernel, else 16
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: int = 4 << 30
@@ -252,7 +249,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if device == "cuda" and (attention in in_place or attention == "paged") and not flash_dtype:
         raise ValueError(f"attention {attention!r} runs FlashAttention kernels, which take float16 or bfloat16: got "
                          f"dtype={dtype_name!r} (attention='torch' runs float32)")
-    for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching", "zero_unmapped", "pace_prefix_mapping"):
+    for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching", "zero_unmapped"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
     guard = config.kv_guard_tokens

@@ -23,7 +23,6 @@ import torch
 from cluster.config import EnginePlan
 from cluster.executor import Executor, PendingStep
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from cluster.pacing import PrefixMappingPacer
 from cluster.scheduler import Scheduler, SchedulerOutput
 from cluster.sequence import Request, Sequence, SeqStatus
 from cluster.telemetry import EngineSnapshot, RequestProgress, Telemetry
@@ -86,7 +85,6 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = plan.max_model_len
         self.telemetry = Telemetry(plan)
-        self.pacer = PrefixMappingPacer(plan.config.pace_prefix_mapping)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._ended: list[RequestOutput] = []  # final outputs of aborted requests, for the next step to return
@@ -102,7 +100,6 @@ class EngineCore:
     def _reset_scheduler(self) -> None:
         self.ledger = self.plan.new_ledger()
         self.scheduler = Scheduler(self.plan.scheduler, self.ledger)
-        self.pacer.reset()
         self._announced: set[int] = set()  # sequences whose sampling state the workers hold
         self._forget: list[int] = []  # announced sequences that finished since the last step
 
@@ -226,7 +223,6 @@ class EngineCore:
         self.last_step = step.info
         self.num_steps += 1
         self.telemetry.record(result.reports)
-        self.pacer.update(result.reports)
         updated = self.scheduler.postprocess(step.out, result.sampled, result.logprobs)
         self.telemetry.record_tokens(updated, step.info.num_tokens)
         for seq in updated:
@@ -240,7 +236,6 @@ class EngineCore:
 
     def _submit_next(self) -> bool:
         """Schedule a step and hand it to the executor; False when nothing could be scheduled."""
-        self.scheduler.prefix_map_budget = self.pacer.budget
         out = self.scheduler.schedule()
         if not out.scheduled:
             return False

@@ -79,9 +79,6 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._fresh: set[int] = set()  # pages cached in this schedule(), their K/V computed in the step it makes
-        # Pages of cached prefixes a step may map into new slots beyond its first such admission (``cluster.pacing``);
-        # None: no limit.
-        self.prefix_map_budget: int | None = None
         self._next_seq_id = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -154,16 +151,11 @@ class Scheduler:
                     return False
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
-        mapped = 0  # pages of cached prefixes this step maps into new slots
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hit = self._cached_prefix(seq)
-            holder = self.kv.slot_holding(hit[0]) if hit else None
-            cost = len(hit) if holder is None else 0  # a slot that holds the prefix already maps nothing
-            if cost and mapped and self.prefix_map_budget is not None and mapped + cost > self.prefix_map_budget:
-                break  # the next step's: this one's mapping would outlast the step in flight
             try:
-                slot = self.kv.alloc_slot(self._full_length(seq), holder)
+                slot = self.kv.alloc_slot(self._full_length(seq), self.kv.slot_holding(hit[0]) if hit else None)
             except KVCacheError:
                 break
             if hit:
@@ -182,7 +174,6 @@ class Scheduler:
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += seq.num_computed
             self.waiting.popleft()
-            mapped += cost
             if seq.status is SeqStatus.SWAPPED:
                 self.kv.record(SwapIn(seq.seq_id, slot))
                 del self.swapped_bytes[seq.seq_id]

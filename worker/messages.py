@@ -67,10 +67,6 @@ class WorkerReport:
     map_latency_us: tuple[float, ...]  # samples since the previous report
     # cumulative device time of its steps (CUDA; 0 elsewhere): a run's wall time less this is the device idle
     device_seconds: float = 0.0
-    # cumulative: pages of cached prefixes mapped into new slots (``MapKept``), and the host time of the steps'
-    # KV operations that did it (their waits for the device left out) -- what pacing admissions weighs
-    prefix_map_pages: int = 0
-    prefix_map_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

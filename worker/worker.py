@@ -89,7 +89,6 @@ class Worker:
         self._reported_maps = 0
         self._busy = 0.0
         self._device = 0.0  # device time of the steps finished (CUDA)
-        self._prefix_pages, self._prefix_seconds = 0, 0.0  # cached prefixes mapped into new slots, and the time
         self._in_flight: PendingOutput | None = None  # launched, its result not read yet
 
     def kv_memory_available(self, fraction: float, sharers: int) -> int:
@@ -190,9 +189,6 @@ class Worker:
             # A freed slot is not waited for here: the queued step (which may still read it) fences its pages,
             # and only a reclaim that unmaps them waits -- most steps free a slot once requests come and go.
             apply_ops(self.cache, step.kv_ops, self.swap, fence)
-            if prefix_pages := sum(len(op.keys) for op in step.kv_ops if isinstance(op, MapKept)):
-                self._prefix_pages += prefix_pages
-                self._prefix_seconds += time.perf_counter() - started - (self.cache.fence_wait_seconds() - fenced)
             if self.cache.counters()[0] != maps:
                 # Waiting for the queued step to finish is no stall (the device is busy); mapping after it is.
                 waited += time.perf_counter() - started - (self.cache.fence_wait_seconds() - fenced)
@@ -249,7 +245,7 @@ class Worker:
         self._reported_maps = maps
         return WorkerReport(self.config.pp_rank, self.config.tp_rank, self.cache.slots_in_use(), self.cache.mapped_bytes(),
                             self.cache.free_pages(), maps, unmaps, stall, self._busy, self.swap.used_bytes if self.swap else 0,
-                            latencies, self._device, self._prefix_pages, self._prefix_seconds)
+                            latencies, self._device)
 
     def close(self) -> None:
         """Stop the mapper and give every byte of KV memory back."""
