@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from cluster.executor import Executor, PendingStep
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from cluster.scheduler import Scheduler, SchedulerOutput
 from cluster.sequence import Request, Sequence, SeqStatus
+from cluster.structured import GrammarCompiler
 from cluster.telemetry import EngineSnapshot, RequestProgress, Telemetry
 from worker.messages import PLACEHOLDER, NewSeq, StepInput
 from worker.sampling import SamplingParams
@@ -33,6 +35,8 @@ from worker.tokenizer import Tokenizer
 # Text, token ids, or vLLM's prompt dict: {"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt".
 Prompt = str | list[int] | dict
 
+
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepInfo:
@@ -62,6 +66,7 @@ class PreparedRequest:
     token_ids: tuple[int, ...]
     params: SamplingParams
     cache_salt: str | None = None
+    grammar: str | None = None  # ``params.structured_outputs`` compiled
 
 
 def _unpack(prompt: dict, cache_salt: str | None) -> tuple[str | list[int], str | None]:
@@ -85,6 +90,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = plan.max_model_len
         self.telemetry = Telemetry(plan)
+        self.grammars = GrammarCompiler(tokenizer, plan.model.vocab_size)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._ended: list[RequestOutput] = []  # final outputs of aborted requests, for the next step to return
@@ -137,8 +143,9 @@ class EngineCore:
                 f"each worker's pool holds {pages} for a request: it could never run"
             )
         text = prompt if isinstance(prompt, str) else None
+        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
         return PreparedRequest(request_id if request_id is not None else str(next(self._ids)), text, tuple(ids), params,
-                               cache_salt)
+                               cache_salt, grammar)
 
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]:
         """Validate every prompt, then queue them all (none is queued if one is bad); their ids. (``stream``
@@ -149,7 +156,8 @@ class EngineCore:
     def add(self, request: PreparedRequest) -> str:
         params = request.params
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        r = Request(request.request_id, request.prompt, request.token_ids, params, seed, request.cache_salt)
+        r = Request(request.request_id, request.prompt, request.token_ids, params, seed, request.cache_salt,
+                    request.grammar)
         seq = Sequence(self.scheduler.new_seq_id(), r, 0, list(request.token_ids))
         r.seqs.append(seq)
         self._requests[r.request_id] = r
@@ -226,6 +234,8 @@ class EngineCore:
         updated = self.scheduler.postprocess(step.out, result.sampled, result.logprobs)
         self.telemetry.record_tokens(updated, step.info.num_tokens)
         for seq in updated:
+            if seq.request.grammar is not None and self._match(seq):
+                continue
             self._check_stop(seq)
         touched = {seq.request.request_id: seq.request for seq in updated}
         outputs = [self._output(r) for r in touched.values() if r.finished or not finished_only or r.request_id in streamed]
@@ -273,6 +283,7 @@ class EngineCore:
         ops = self.ledger.take_ops()
         ahead = self.scheduler.lookahead(out).needs  # backed in the ledger now, mapped by the workers meanwhile
         new, seq_ids, slots, starts, samples, produced, tokens, offsets = [], [], [], [], [], [], [], [0]
+        allowed = {}  # seq_id -> the token bitmask of its grammar's next token
         for s in out.scheduled:
             seq = s.seq
             if seq.seq_id not in self._announced:
@@ -291,9 +302,13 @@ class EngineCore:
             # Tokens generated before this step's sample (the pending one counted once this step is).
             produced.append(seq.num_generated - (1 if s.num_samples else 0))
             offsets.append(len(tokens))
+            if s.num_samples and seq.request.grammar is not None:
+                if seq.matcher is None:
+                    seq.matcher = self.grammars.matcher(seq.request.grammar)
+                allowed[seq.seq_id] = seq.matcher.compute_bitmask()
         forget, self._forget = tuple(self._forget), []
         return StepInput(next(self._messages), tuple(new), forget, ops, ahead, tuple(seq_ids), tuple(slots), tuple(starts),
-                         tuple(samples), tuple(produced), tuple(tokens), tuple(offsets))
+                         tuple(samples), tuple(produced), tuple(tokens), tuple(offsets), allowed)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -314,6 +329,22 @@ class EngineCore:
             reason = "length"
         if reason:
             self._finish(seq, reason)
+
+    def _match(self, seq: Sequence) -> bool:
+        """Advance ``seq``'s grammar over its new tokens (a fork's matcher starts at the output's start); True when
+        the grammar ended it -- complete, nothing more allowed -- or its token broke it (a finish reason given)."""
+        if seq.matcher is None:
+            seq.matcher = self.grammars.matcher(seq.request.grammar)
+        new = seq.output_token_ids[seq.matched:]
+        seq.matched += len(new)
+        if not seq.matcher.consume_tokens(new):
+            logger.warning("seq %d: token %s broke its grammar (%s)", seq.seq_id, new, seq.matcher.get_error())
+            self._finish(seq, "stop")
+            return True
+        if seq.matcher.is_stopped():
+            self._finish(seq, "stop")
+            return True
+        return False
 
     def _text(self, seq: Sequence) -> str:
         """``seq``'s output text: while it runs, extended by its new tokens only (streaming and stop strings

@@ -34,6 +34,7 @@ class Request:
     params: SamplingParams
     seed: int
     cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached blocks
+    grammar: str | None = None  # structured outputs: the compiled grammar its sequences' outputs must match
     times: Timestamps = field(default_factory=Timestamps)
     seqs: list["Sequence"] = field(default_factory=list)
 
@@ -71,6 +72,9 @@ class Sequence:
     # ledger indexed (or found indexed) for this sequence.
     page_hashes: list[bytes] = field(default_factory=list)
     num_cached_pages: int = 0
+    # Structured outputs (``cluster.structured``): the grammar's matcher, and how many output tokens it consumed.
+    matcher: object | None = None
+    matched: int = 0
 
     @property
     def num_tokens(self) -> int:

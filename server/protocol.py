@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from worker.sampling import SamplingParams
+from worker.sampling import SamplingParams, StructuredOutputs
 
 
 def new_id(prefix: str) -> str:
@@ -21,6 +21,38 @@ def new_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of a JSON schema, a regex, a choice, a grammar, any JSON object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -50,8 +82,29 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, description="vLLM's: a prompt or output token's positive logit "
                                       "divided by this, a negative one multiplied; 1: off")
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's: json (a schema), regex, choice, grammar (Lark or GBNF) or json_object")
     cache_salt: str | None = Field(None, min_length=1, description="vLLM's: only requests with the same salt share "
                                    "cached prefixes (tenants that must not see each other's prompts, even by timing)")
+
+    @property
+    def structured(self) -> StructuredOutputs | None:
+        """What the output must match: ``structured_outputs`` or ``response_format`` (not both)."""
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            return StructuredOutputs(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                     json_object=bool(so.json_object))
+        f = self.response_format
+        if f is None or f.type == "text":
+            return None
+        return StructuredOutputs(json_object=True) if f.type == "json_object" else StructuredOutputs(json=f.json_schema.schema_)
+
+    @model_validator(mode="after")
+    def _one_structure(self):
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format and structured_outputs: set one of them")
+        return self
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -69,7 +122,8 @@ class SamplingRequest(BaseModel):
                               min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or (),
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               seed=self.seed, n=self.n, stop=self.stops, ignore_eos=self.ignore_eos,
-                              skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
+                              skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured,
+                              logprobs=logprobs)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -48,6 +48,7 @@ class StepInput:
     output_index: tuple[int, ...] = ()  # tokens each sequence has generated so far (seeds its sampler)
     token_ids: tuple[int, ...] = ()
     offsets: tuple[int, ...] = (0,)
+    allowed: dict[int, bytes] = field(default_factory=dict)  # seq_id -> its grammar's bitmask of the next token
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,10 @@ import torch
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep, SeqAttention
 from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
-from worker.rope import rope_cache, rope_for
 from worker.penalties import PenaltyState
-from worker.sampling import SampledToken, SamplingParams, needs_processing, noise_keys, processed_logits, sample
+from worker.rope import rope_cache, rope_for
+from worker.sampling import (SampledToken, SamplingParams, grammar_masked, needs_processing, noise_keys,
+                             processed_logits, sample)
 from worker.staging import to_device
 
 
@@ -29,6 +30,7 @@ class ScheduledChunk:
     seed: int
     output_index: int  # tokens the sequence has generated so far (seeds the sampler)
     sample_index: int = 0  # which of the request's n samples this sequence is
+    allowed: bytes | None = None  # structured outputs: a bit per token id its grammar allows next (little-endian words)
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,8 @@ class ModelRunner:
         asks = [(row, c.params, c.output_index) for row, i in enumerate(wanted)
                 if needs_processing((c := chunks[i]).params, c.output_index)]
         raw = logits  # logprobs: the model's own
+        if masked := [(row, c.allowed) for row, i in enumerate(wanted) if (c := chunks[i]).allowed is not None]:
+            logits = grammar_masked(logits, masked)
         if asks:
             logits = processed_logits(logits, asks, self.model.config.eos_token_ids)
         penalized = [(row, chunks[i]) for row, i in enumerate(wanted) if chunks[i].params.penalized]

@@ -3,6 +3,7 @@ seeds, logprobs (penalties: ``worker.penalties``)."""
 
 from __future__ import annotations
 
+import json as _json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +14,39 @@ from worker.staging import to_device
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match (vLLM's ``StructuredOutputsParams``), exactly one of: a JSON schema (``json``, as a
+    dict or its JSON text), any JSON object (``json_object``), a regular expression, one of ``choice``'s strings, or
+    a ``grammar`` (Lark, or GBNF with ``::=``). Compiled by llguidance into a token mask a step (``cluster.structured``)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", _json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got "
+                             f"{given or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -42,6 +76,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string that ended the output stays in its text (vLLM's)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # the output text leaves special tokens (EOS, a template's markers) out
+    structured_outputs: StructuredOutputs | None = None  # what the output must match (JSON schema, regex, ...)
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
 
     def __post_init__(self) -> None:
@@ -167,3 +202,16 @@ def processed_logits(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingPar
 def needs_processing(params: SamplingParams, made: int) -> bool:
     """Whether ``processed_logits`` changes a row with these params whose sequence made ``made`` tokens."""
     return bool(params.logit_bias) or made < params.min_tokens
+
+
+def grammar_masked(logits: torch.Tensor, rows: Sequence[tuple[int, bytes]]) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with every token a row's grammar does not allow at -inf: ``rows`` are ``(row,
+    bitmask)``, a bit per token id in little-endian 32-bit words (llguidance's). One unpacking for the batch."""
+    words = torch.frombuffer(bytearray(b"".join(mask for _, mask in rows)), dtype=torch.int32).view(len(rows), -1)
+    words = to_device(words, logits.device)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
+    allowed = bits.view(len(rows), -1)[:, : logits.shape[-1]].bool()
+    at = to_device(torch.tensor([row for row, _ in rows]), logits.device)
+    out = logits.clone()
+    out[at] = logits[at].masked_fill(~allowed, float("-inf"))
+    return out

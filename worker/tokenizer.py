@@ -51,6 +51,11 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
+    def token_bytes(self, vocab_size: int) -> list[bytes]:
+        """Each id's bytes: a byte for 0..255, the specials' names, the unused ids' placeholders."""
+        names = {**self.SPECIAL, **{i: f"<unused{i}>" for i in range(258, vocab_size)}}
+        return [bytes((i,)) if i < 256 else names[i].encode() for i in range(vocab_size)]
+
 
 class HFTokenizer:
     """``tokenizer.json`` through the ``tokenizers`` library; the chat template from ``chat_template.jinja``
@@ -81,6 +86,10 @@ class HFTokenizer:
 
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         return _StreamDetokenizer(self._tok, skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (for a grammar library to read its vocabulary)."""
+        return self._tok.to_str()
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self._template:

@@ -234,7 +234,8 @@ class Worker:
                 else:
                     raise ValueError(f"step {step.step}: seq {seq_id} ends in a placeholder, but no token was sampled for it")
             chunks.append(ScheduledChunk(seq_id, step.slots[i], tokens, step.starts[i], step.num_samples[i],
-                                         seq.params, seq.seed, step.output_index[i], seq.sample_index))
+                                         seq.params, seq.seed, step.output_index[i], seq.sample_index,
+                                         step.allowed.get(seq_id)))
         fill = TokenFill(tuple(fill_chunks), prev.tokens, tuple(fill_rows)) if fill_chunks else None
         return StepPlan(tuple(chunks), fill)
 

@@ -128,6 +128,27 @@ def test_skip_special_tokens_false_keeps_eos_in_the_text_whole_and_streamed(clie
     assert "".join(c.choices[0].text for c in client.completions.create(**args, **kept, stream=True)) == want
 
 
+def test_response_format_and_structured_outputs_shape_the_output(client):
+    """OpenAI's ``response_format`` (a JSON schema, any JSON object) in chat, vLLM's ``structured_outputs`` (choice,
+    regex) in completions, whole and streamed: a random model's sampled text matches."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "answer in JSON"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=200, temperature=1.0, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    answer = json.loads(chat.choices[0].message.content)
+    assert set(answer) == {"ok", "n"} and isinstance(answer["ok"], bool) and chat.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(model="tiny", messages=messages, max_tokens=200, temperature=1.0, seed=4,
+                                              response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    args = dict(model="tiny", prompt="pick", max_tokens=20, temperature=1.0, seed=3)
+    picked = client.completions.create(**args, extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+    assert picked.choices[0].text in ("red", "green")
+    streamed = client.completions.create(**args, stream=True, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", "".join(c.choices[0].text for c in streamed))
+
+
 def test_echo_puts_the_prompt_before_each_completion_whole_or_streamed(client, local):
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = local.generate("The capital", greedy)[0].outputs[0].text
@@ -281,6 +302,14 @@ BAD = [
     ({"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}, 400, r"logit_bias\.x\.\[key\]: Input should be a valid integer"),
     ({"model": "tiny", "prompt": "a", "logit_bias": {"512": 1}}, 400, r"logit_bias token ids must be in \[0, 512\), got \[512\]"),
     ({"model": "tiny", "prompt": "a", "min_p": 2}, 400, "min_p: Input should be less than or equal to 1"),
+    ({"model": "tiny", "prompt": "a", "structured_outputs": {"regex": "("}}, 400, "structured_outputs.regex does not compile"),
+    ({"model": "tiny", "prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     r"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got \['regex', 'choice'\]"),
+    ({"model": "tiny", "prompt": "a", "structured_outputs": {"jsn": {}}}, 400, "structured_outputs.jsn: Extra inputs are not permitted"),
+    ({"model": "tiny", "prompt": "a", "response_format": {"type": "json_schema"}}, 400,
+     "json_schema is required with type json_schema, and only then"),
+    ({"model": "tiny", "prompt": "a", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     400, "response_format and structured_outputs: set one of them"),
     ({"model": "tiny", "prompt": "a", "echo": True, "logprobs": 1}, 400, "echo with logprobs is not implemented"),
     ({"model": "tiny", "prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, r"min_tokens must be an int in \[0, max_tokens=4\]"),
 ]
