@@ -44,6 +44,7 @@ class ServeArgs(BaseModel):
     max_n: int = Field(16, ge=1)
     max_tokens_limit: int | None = Field(None, ge=1)
     max_pending: int = Field(1024, ge=1)
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None  # reads tool_choice "auto" answers (vLLM's flag)
 
     @classmethod
     def parse(cls, args: "dict | ServeArgs") -> "ServeArgs":
@@ -79,4 +80,4 @@ class ServeArgs(BaseModel):
         keys = tuple(k.strip() for part in ([given] if isinstance(given, str) else given) for k in part.split(","))
         return ServerSettings(api_keys=tuple(k for k in keys if k),
                               max_body_bytes=self.max_body, max_n=self.max_n, max_tokens=self.max_tokens_limit,
-                              max_pending=self.max_pending)
+                              max_pending=self.max_pending, tool_call_parser=self.tool_call_parser)

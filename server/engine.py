@@ -65,12 +65,14 @@ class EngineServer:
         self._reports = 0
 
     async def add(self, prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None,
-                  request_ids: list[str], consumer: str, cache_salt: str | None = None) -> SchedulerRef:
+                  request_ids: list[str], consumer: str, cache_salt: str | None = None,
+                  tools: list[dict] | None = None) -> SchedulerRef:
         """Queue ``prompts`` (or ``chat``: messages put through the model's chat template) under the caller's
-        ``request_ids``; their outputs go to ``consumer``'s polls of the returned scheduler. Bad input raises
+        ``request_ids`` (``tools``: the chat's, for its template); their outputs go to ``consumer``'s polls of the
+        returned scheduler. Bad input raises
         ``ValueError`` before anything is queued."""
         if chat is not None:
-            prompts = [self.engine.tokenizer.apply_chat_template(chat)]
+            prompts = [self.engine.tokenizer.apply_chat_template(chat, tools)]
         if cache_salt is not None:
             prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": cache_salt}
                        for p in prompts]

@@ -45,7 +45,7 @@ class OutputCollector:
         self._pollers: dict[str, asyncio.Task] = {}
 
     async def generate(self, prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[list[Progress]]:
+                       cache_salt: str | None = None, tools: list[dict] | None = None) -> AsyncIterator[list[Progress]]:
         """The call's requests' outputs as they progress (``stream``) or once at their end, in batches: all that
         arrived since the caller last looked, each request's newest only. ``chat``: messages to put through the
         model's chat template instead of ``prompts``; ``cache_salt``: the prefix cache's (see ``EngineCore.prepare``).
@@ -58,7 +58,7 @@ class OutputCollector:
         index = {request_id: k for k, request_id in enumerate(ids)}
         live, scheduler = set(ids), None
         try:
-            scheduler = await self.engine.add.remote(prompts, params, stream, chat, ids, self.consumer, cache_salt)
+            scheduler = await self.engine.add.remote(prompts, params, stream, chat, ids, self.consumer, cache_salt, tools)
             self._live.setdefault(scheduler.name, set()).update(ids)
             self._poll(scheduler)
             while live:

@@ -6,12 +6,14 @@ OpenAI defines that vattn does not implement are refused when set to anything bu
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from server.tool_calls import forced_structure
 from worker.sampling import SamplingParams, StructuredOutputs
 
 
@@ -165,10 +167,43 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -176,8 +211,21 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
     def for_template(self) -> dict:
-        """The message as the chat template takes it."""
-        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        """The message as the chat template takes it (a call's arguments as an object, as templates expect them)."""
+        message = {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(text: str) -> dict | str:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -186,6 +234,39 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self):
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or ()]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among tools {names}")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.forced_tool is not None and (self.response_format is not None or self.structured_outputs is not None):
+            raise ValueError("tool_choice 'required' or a named function shapes the output: no response_format or "
+                             "structured_outputs with it")
+        return self
+
+    @property
+    def forced_tool(self) -> str | None:
+        """``"required"``, or the name of the function ``tool_choice`` names; None when the model may answer freely."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
+
+    @property
+    def structured(self) -> StructuredOutputs | None:
+        if (forced := self.forced_tool) is not None:
+            return forced_structure([t.model_dump() for t in self.tools], forced, self.parallel_tool_calls)
+        return super().structured
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -244,7 +325,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallMessage] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -263,9 +345,17 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -31,6 +31,7 @@ class ServerSettings:
     max_n: int = 16
     max_tokens: int | None = None  # cap on max_tokens (None: the model's context)
     max_pending: int = 1024  # requests the ingress holds at once; more get 429
+    tool_call_parser: str | None = None  # how ``tool_choice: auto`` answers are read (``server.tool_calls.PARSERS``)
 
 
 def authorize(settings: ServerSettings, request: Request) -> None:
@@ -87,13 +88,13 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from None
 
     async def start(self, prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None = None,
-                    cache_salt: str | None = None) -> AsyncIterator[Progress]:
+                    cache_salt: str | None = None, tools: list[dict] | None = None) -> AsyncIterator[Progress]:
         """The engine's output stream, its first item already taken (so bad input is a 400, not a broken stream)."""
         pending = self.pending
         if pending.count >= pending.limit:
             raise APIError(429, f"the server holds {pending.limit} requests already: retry later", "rate_limit_exceeded")
         pending.count += 1
-        outputs = self.collector.generate(prompts, params, stream, chat, cache_salt)
+        outputs = self.collector.generate(prompts, params, stream, chat, cache_salt, tools)
         try:
             first = await outputs.__anext__()
         except BaseException as exc:

@@ -1,5 +1,5 @@
-"""``POST /v1/chat/completions``: messages through the model's chat template, the assistant's answers out, whole or
-streamed (vLLM's ``serving_chat``)."""
+"""``POST /v1/chat/completions``: messages (and tools) through the model's chat template, the assistant's answers --
+text or tool calls (``server.tool_calls``) -- out, whole or streamed (vLLM's ``serving_chat``)."""
 
 from __future__ import annotations
 
@@ -11,26 +11,50 @@ from server import protocol as p
 from server.errors import APIError
 from server.serving import OpenAIServing
 from server.text import chat_logprobs
+from server.tool_calls import PARSERS, ToolCall, forced_calls
 
 
 class ServingChat(OpenAIServing):
     async def create(self, body: p.ChatCompletionRequest, request: Request):
         self.check(request, body.model)
+        if body.tools and body.tool_choice in (None, "auto") and self.settings.tool_call_parser is None:
+            raise APIError(400, "tool_choice 'auto' needs the server started with --tool-call-parser (hermes or "
+                                "llama3_json); 'required', a named function or 'none' work without", param="tool_choice")
         params = self.sampling(body, body.output_limit, (body.top_logprobs or 0) if body.logprobs else None)
         messages = [m.for_template() for m in body.messages]
-        items = await self.start([], params, body.stream, messages, body.cache_salt)
+        items = await self.start([], params, body.stream, messages, body.cache_salt, body.template_tools)
         rid = p.new_id("chatcmpl")
         if body.stream:
             return self.sse(self._stream(items, rid, body))
         (item,) = await self.finals(items, 1)
         self.failed(item.output)
-        choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                                logprobs=chat_logprobs(c.logprobs or (), c.token_texts or {}) if body.logprobs else None)
-                   for c in item.output.outputs]
+        choices = []
+        for c in item.output.outputs:
+            content, calls = self._calls(body, c.text, c.finish_reason)
+            choices.append(p.ChatChoice(
+                index=c.index, message=p.AssistantMessage(content=content, tool_calls=[_message(t) for t in calls]),
+                finish_reason="tool_calls" if calls else c.finish_reason,
+                logprobs=chat_logprobs(c.logprobs or (), c.token_texts or {}) if body.logprobs else None))
         return p.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=self.usage([item.output]))
+
+    def _calls(self, body: p.ChatCompletionRequest, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of an answer: grammar-forced calls, or those the server's parser finds under 'auto'."""
+        if (forced := body.forced_tool) is not None:
+            calls = forced_calls(text, forced) if finish_reason == "stop" else []
+            return (None, calls) if calls else (text, [])
+        if body.tools and body.tool_choice != "none":
+            return PARSERS[self.settings.tool_call_parser]().parse(text)
+        return text, []
+
+    def _holds(self, body: p.ChatCompletionRequest) -> bool:
+        """Whether streamed text may be a tool call, held back until the answer ends."""
+        return body.forced_tool is not None or bool(body.tools and body.tool_choice != "none")
 
     async def _stream(self, items, rid: str, body: p.ChatCompletionRequest):
         final = None
+        holds = self._holds(body)
+        parser = PARSERS[self.settings.tool_call_parser]() if holds and body.forced_tool is None else None
+        sent: dict[int, int] = {}  # choice -> characters of its text sent as content
         yield self.event(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[
             p.ChatChunkChoice(index=k, delta=p.Delta(role="assistant", content="")) for k in range(body.n)]))
         async for _, out, c, text, entries in self.deltas(items, body.stops):
@@ -38,7 +62,21 @@ class ServingChat(OpenAIServing):
                 yield self.event(json.loads(text.response().body))
                 break
             final = out if out.finished else final
-            choice = p.ChatChunkChoice(index=c.index, delta=p.Delta(content=text or None), finish_reason=c.finish_reason,
+            delta, finish = p.Delta(content=text or None), c.finish_reason
+            if holds:  # content only up to where a call may start; the calls once the answer is whole
+                whole = c.text
+                if finish is None:
+                    upto = 0 if parser is None else parser.held_from(whole)
+                    delta = p.Delta(content=whole[sent.get(c.index, 0) : upto] or None)
+                    sent[c.index] = max(sent.get(c.index, 0), upto)
+                else:
+                    content, calls = self._calls(body, whole, finish)
+                    rest = _unsent(content or "", whole[: sent.get(c.index, 0)]) if not calls or content else ""
+                    delta = p.Delta(content=rest or None, tool_calls=[
+                        p.ToolCallDelta(index=k, id=t.id, function=p.FunctionCall(name=t.name, arguments=t.arguments))
+                        for k, t in enumerate(calls)] or None)
+                    finish = "tool_calls" if calls else finish
+            choice = p.ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish,
                                        logprobs=chat_logprobs(entries, c.token_texts or {}) if body.logprobs else None)
             yield self.event(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice]))
         else:
@@ -46,3 +84,15 @@ class ServingChat(OpenAIServing):
                 yield self.event(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[],
                                                        usage=self.usage([final])))
         yield "data: [DONE]\n\n"
+
+
+def _message(call: ToolCall) -> p.ToolCallMessage:
+    return p.ToolCallMessage(id=call.id, function=p.FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _unsent(content: str, sent: str) -> str:
+    """What of ``content`` the stream has not sent yet (the parser strips the whitespace before a call)."""
+    for done in (sent, sent.rstrip()):
+        if content.startswith(done):
+            return content[len(done):]
+    return content

@@ -25,7 +25,7 @@ class Tokenizer(Protocol):
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         """A fresh incremental decoder: a sequence's text a token at a time, not all of it again each step."""
 
-    def apply_chat_template(self, messages: list[dict]) -> str: ...
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str: ...
 
 
 class ByteTokenizer:
@@ -48,8 +48,9 @@ class ByteTokenizer:
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         return _ByteDetokenizer(skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        listed = f"<tools>{','.join(t['function']['name'] for t in tools)}\n" if tools else ""  # names: a toy's context is short
+        return listed + "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
     def token_bytes(self, vocab_size: int) -> list[bytes]:
         """Each id's bytes: a byte for 0..255, the specials' names, the unused ids' placeholders."""
@@ -91,7 +92,7 @@ class HFTokenizer:
         """The whole tokenizer as ``tokenizer.json`` text (for a grammar library to read its vocabulary)."""
         return self._tok.to_str()
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if not self._template:
             raise ValueError("this model has no chat template (neither chat_template.jinja nor a chat_template in "
                              "tokenizer_config.json): send completions instead")
@@ -112,7 +113,7 @@ class HFTokenizer:
             raise ValueError(f"this model's chat template does not parse: {exc}") from None
         specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._specials.items()}
         try:
-            return template.render(messages=messages, add_generation_prompt=True, **specials)
+            return template.render(messages=messages, tools=tools, add_generation_prompt=True, **specials)
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template failed on these messages: {exc}") from None
 

@@ -10,6 +10,7 @@ import re
 import time
 
 import httpx
+import jsonschema
 import openai
 import psutil
 import pytest
@@ -29,7 +30,7 @@ ENGINE = dict(model="tiny", device="cpu", kv_memory=64 << 20, max_model_len=256,
 
 @pytest.fixture(scope="module")
 def url():
-    settings = ServerSettings(api_keys=(KEY,), max_body_bytes=1 << 20, max_n=4)
+    settings = ServerSettings(api_keys=(KEY,), max_body_bytes=1 << 20, max_n=4, tool_call_parser="hermes")
     with serving(lambda: build_app(AppConfig(EngineConfig(distributed="ray", **ENGINE), settings=settings))) as base:
         yield base
 
@@ -147,6 +148,77 @@ def test_response_format_and_structured_outputs_shape_the_output(client):
     assert picked.choices[0].text in ("red", "green")
     streamed = client.completions.create(**args, stream=True, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
     assert re.fullmatch("[0-9]{3}", "".join(c.choices[0].text for c in streamed))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def _valid_call(call) -> bool:
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    return call.type == "function" and call.id.startswith("call_")
+
+
+def test_tool_choice_required_and_named_always_give_well_formed_calls_whole_and_streamed(client):
+    """Grammar-forced: with random weights every answer is a call of one of the tools, its arguments valid against
+    the tool's parameters; a named function is that function; streamed, the calls come as OpenAI's deltas."""
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    for seed in range(6):
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice="required",
+                                           max_tokens=200, temperature=1.0, seed=seed, parallel_tool_calls=seed % 2 == 0)
+        choice = r.choices[0]
+        if choice.finish_reason == "length":  # several parallel calls ran past max_tokens: no call, the text as it is
+            assert seed % 2 == 0 and not choice.message.tool_calls and choice.message.content.startswith('[{"name":')
+            continue
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls and all(_valid_call(c) for c in choice.message.tool_calls)
+        assert seed % 2 == 0 or len(choice.message.tool_calls) == 1
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                       max_tokens=100, temperature=1.0, seed=1)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and _valid_call(call)
+    stream = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                            max_tokens=100, temperature=1.0, seed=1, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [t for d in deltas for t in d.delta.tool_calls or ()]
+    assert [(t.function.name, t.function.arguments) for t in calls] == [(call.function.name, call.function.arguments)]
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_a_tool_round_trip_through_the_sdk(client):
+    """call -> the tool's answer as a tool message -> the assistant's text; the template gets the tools and both."""
+    messages = [{"role": "user", "content": "what time is it?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=[TIME], tool_choice="required",
+                                           max_tokens=100, temperature=1.0, seed=2)
+    (call,) = first.choices[0].message.tool_calls[:1]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    answer = client.chat.completions.create(model="tiny", messages=messages, tools=[TIME], tool_choice="none",
+                                            max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length" and answer.choices[0].message.tool_calls in (None, [])
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens  # the call and the tool's answer were templated
+
+
+def test_tool_choice_auto_reads_hermes_calls_and_leaves_text_alone(client):
+    """Under 'auto' the server's parser (hermes here) finds a <tool_call> block the model wrote -- forced here through
+    structured_outputs' regex, as a model trained for it would write it -- and plain text stays content."""
+    block = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    args = dict(model="tiny", messages=[{"role": "user", "content": "time?"}], tools=[TIME], max_tokens=80)
+    r = client.chat.completions.create(**args, extra_body={"structured_outputs": {"regex": re.escape("ok " + block)}})
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"zone": "UTC"})
+    assert r.choices[0].message.content == "ok" and r.choices[0].finish_reason == "tool_calls"
+    streamed = [c.choices[0] for c in client.chat.completions.create(
+        **args, stream=True, extra_body={"structured_outputs": {"regex": re.escape("ok " + block)}}) if c.choices]
+    assert "".join(d.delta.content or "" for d in streamed) == "ok " and streamed[-1].finish_reason == "tool_calls"
+    assert [t.function.name for d in streamed for t in d.delta.tool_calls or ()] == ["get_time"]
+    plain = client.chat.completions.create(**args, extra_body={"structured_outputs": {"choice": ["no call"]}})
+    assert plain.choices[0].message.content == "no call" and not plain.choices[0].message.tool_calls
 
 
 def test_echo_puts_the_prompt_before_each_completion_whole_or_streamed(client, local):
@@ -302,6 +374,11 @@ BAD = [
     ({"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}, 400, r"logit_bias\.x\.\[key\]: Input should be a valid integer"),
     ({"model": "tiny", "prompt": "a", "logit_bias": {"512": 1}}, 400, r"logit_bias token ids must be in \[0, 512\), got \[512\]"),
     ({"model": "tiny", "prompt": "a", "min_p": 2}, 400, "min_p: Input should be less than or equal to 1"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "a"}], "tools": [WEATHER],
+      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+     r"tool_choice names function 'nope', which is not among tools \['get_weather'\]"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}, 400,
+     "tool_choice 'required' needs tools"),
     ({"model": "tiny", "prompt": "a", "structured_outputs": {"regex": "("}}, 400, "structured_outputs.regex does not compile"),
     ({"model": "tiny", "prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
      r"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got \['regex', 'choice'\]"),
@@ -316,8 +393,9 @@ BAD = [
 
 
 @pytest.mark.parametrize(("body", "status", "message"), BAD)
-def test_bad_completion_requests_get_their_4xx_and_message(url, body, status, message):
-    r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+def test_bad_requests_get_their_4xx_and_message(url, body, status, message):
+    endpoint = "chat/completions" if "messages" in body else "completions"
+    r = httpx.post(f"{url}/v1/{endpoint}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
