@@ -1,13 +1,16 @@
-"""The HTTP API on a real Ray Serve app on loopback, called with the official ``openai`` client (and raw
-``httpx`` for what a client library would never send): outputs equal the engine's, errors are OpenAI's."""
+"""The HTTP API on a real Ray Serve app on loopback, called with the official ``openai`` clients for Python and Node
+(and raw ``httpx`` for what a client library would never send): outputs equal the engine's, errors are OpenAI's."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import json
+import os
 import re
+import shutil
+import subprocess
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -219,6 +222,70 @@ def test_tool_choice_auto_reads_hermes_calls_and_leaves_text_alone(client):
     assert [t.function.name for d in streamed for t in d.delta.tool_calls or ()] == ["get_time"]
     plain = client.chat.completions.create(**args, extra_body={"structured_outputs": {"choice": ["no call"]}})
     assert plain.choices[0].message.content == "no call" and not plain.choices[0].message.tool_calls
+
+
+NODE = Path(__file__).parent / "node"
+
+
+@pytest.fixture(scope="module")
+def node(url):
+    """Runs requests through the official openai Node client (npm's ``openai``, installed here on first use);
+    returns what it read back, one dict per request."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("Node.js and npm are not installed")
+    subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=NODE, check=True, timeout=300)
+
+    def run(requests: list[dict]) -> list[dict]:
+        out = subprocess.run(["node", "client.mjs"], cwd=NODE, input=json.dumps(requests), capture_output=True,
+                             text=True, timeout=600, env={**os.environ, "VATTN_URL": f"{url}/v1", "VATTN_KEY": KEY})
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines()]
+
+    return run
+
+
+def test_the_node_client_gets_what_the_python_client_gets(client, node):
+    """The same requests through both official SDKs, whole and streamed: penalties, logit bias, min_p, min_tokens,
+    stop_token_ids, skip_special_tokens, structured outputs and tool calls (seeded, so both get the same tokens)."""
+    chat = [{"role": "user", "content": "hi"}]
+    requests = [
+        ("completions", dict(model="tiny", prompt="abc", max_tokens=16, temperature=0, presence_penalty=1.0,
+                             frequency_penalty=0.5, logit_bias={"7": 5}, extra=dict(ignore_eos=True, repetition_penalty=1.3))),
+        ("completions", dict(model="tiny", prompt="abc", max_tokens=8, temperature=0.9, seed=4,
+                             extra=dict(min_p=0.2, min_tokens=3, stop_token_ids=[11], skip_special_tokens=False))),
+        ("chat", dict(model="tiny", messages=chat, max_tokens=12, temperature=1.0, seed=2,
+                      extra=dict(structured_outputs={"choice": ["left", "right", "up"]}))),
+        ("chat", dict(model="tiny", messages=chat, max_tokens=100, temperature=1.0, seed=3, tools=[WEATHER, TIME],
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}})),
+    ]
+    bodies = []
+    for endpoint, args in requests:
+        extra = args.pop("extra", {})
+        for stream in (False, True):
+            bodies.append((endpoint, {**args, **extra, "stream": stream}, args, extra))
+    got = node([{"endpoint": e, "body": body} for e, body, _, _ in bodies])
+    for (endpoint, body, args, extra), node_out in zip(bodies, got):
+        api = client.chat.completions if endpoint == "chat" else client.completions
+        r = api.create(**args, extra_body=extra)
+        c = r.choices[0]
+        text = c.message.content if endpoint == "chat" else c.text
+        calls = [[t.function.name, t.function.arguments] for t in (c.message.tool_calls or [])] if endpoint == "chat" else []
+        assert node_out == {"text": text if not body["stream"] or text is not None else "", "finish_reason": c.finish_reason,
+                            "tool_calls": calls}, (body, node_out)
+
+
+def test_json_schema_answers_always_parse_and_validate_through_the_node_client(node):
+    """Grammar-forced: the random-weight model's answers to 50 requests (half streamed) all parse and validate."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+              "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                             "note": {"type": "string", "maxLength": 5}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema}}
+    got = node([{"endpoint": "chat", "body": dict(model="tiny", messages=[{"role": "user", "content": f"trip {k}"}],
+                                                  max_tokens=180, temperature=1.0, seed=k, stream=k % 2 == 1,
+                                                  response_format=fmt)} for k in range(50)])
+    for out in got:
+        assert out["finish_reason"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), schema)
 
 
 def test_echo_puts_the_prompt_before_each_completion_whole_or_streamed(client, local):
