@@ -40,16 +40,17 @@ _ADD = inspect.signature(EngineServer.add)  # the call the router routes
 
 
 def request_text(pending: PendingRequest | None) -> tuple[str, str | None]:
-    """(the text a request starts with, its cache salt): the first prompt (text, or token ids as text), or the chat
-    messages as JSON; ("", None) for a call that is no ``EngineServer.add``."""
+    """(the text a request starts with, its cache salt): the first prompt (text, or token ids as text), or the chat's
+    tools and messages as JSON; ("", None) for a call that is no ``EngineServer.add``."""
     if pending is None:
         return "", None
     try:
         call = _ADD.bind(None, *pending.args, **pending.kwargs).arguments
     except TypeError:
         return "", None
-    chat, prompts = call.get("chat"), call.get("prompts") or [""]
-    first = json.dumps(chat) if chat is not None else prompts[0]
+    chat, prompts, tools = call.get("chat"), call.get("prompts") or [""], call.get("tools")
+    # a chat's tools come first in its template's prompt: a request starts with them
+    first = (json.dumps(tools) if tools else "") + json.dumps(chat) if chat is not None else prompts[0]
     return (first if isinstance(first, str) else ",".join(map(str, first))), call.get("cache_salt")
 
 

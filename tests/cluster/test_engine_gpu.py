@@ -208,6 +208,9 @@ def test_penalties_on_the_gpu_count_the_token_in_flight(hf_llama128):
     the reference attention against the CPU engine, and bf16 FA2 with CUDA-graph decode against itself. The counts
     include the token still on the device when the next step is launched. Batches differ in composition between the
     runs, so a near-tie may flip a token: the first of each prompt must match and nearly all the rest."""
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    needs_attention("fa2")
     prompts = [list(range(5, 40)), list(range(100, 103)), [7, 8, 9, 10], list(range(270, 310))] * 2
     penalized = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, presence_penalty=1.0,
                                frequency_penalty=0.5, repetition_penalty=1.3)

@@ -4,6 +4,7 @@ the start of a request before comes first while it has room and is not overloade
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from ray.serve._private.common import RequestMetadata
@@ -58,7 +59,10 @@ def test_the_router_reads_a_requests_start_from_the_engines_add_call():
     text, salt = request_text(pending([], params, True, chat, ["1"], "c", "tenant"))
     assert text.startswith('[{"role": "system", "content": "You are') and salt == "tenant"
     assert request_text(pending([[5, 6, 7]], params, False, None, ["1"], "c", cache_salt="t")) == ("5,6,7", "t")
-    assert request_text(pending("not", "the", "add", "call", "at", "all", "no", "really")) == ("", None)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    text, _ = request_text(pending([], params, True, chat, ["1"], "c", None, tools))
+    assert text == json.dumps(tools) + json.dumps(chat)  # the template puts the tools first
+    assert request_text(pending("not", "the", "add", "call", "at", "all", "no", "really", "ever")) == ("", None)
 
 
 def test_prefix_keys_are_chained_whole_chunks_and_salted():
