@@ -67,6 +67,14 @@ class PreparedRequest:
     params: SamplingParams
     cache_salt: str | None = None
     grammar: str | None = None  # ``params.structured_outputs`` compiled
+    bad_words: tuple[tuple[int, ...], ...] = ()  # ``params.bad_words`` tokenized
+
+
+def _banned(seq: Sequence) -> tuple[int, ...]:
+    """The tokens that would complete one of ``seq``'s bad words after its output so far."""
+    output = seq.output_token_ids
+    return tuple(sorted({w[-1] for w in seq.request.bad_words
+                         if len(w) == 1 or (len(w) - 1 <= len(output) and tuple(output[len(output) - len(w) + 1:]) == w[:-1])}))
 
 
 def _unpack(prompt: dict, cache_salt: str | None) -> tuple[str | list[int], str | None]:
@@ -145,7 +153,13 @@ class EngineCore:
         text = prompt if isinstance(prompt, str) else None
         grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
         return PreparedRequest(request_id if request_id is not None else str(next(self._ids)), text, tuple(ids), params,
-                               cache_salt, grammar)
+                               cache_salt, grammar, self._bad_words(params.bad_words))
+
+    def _bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each word's token ids as written at a word's start and after a space (vLLM's two ways), without specials."""
+        spelled = {tuple(self.tokenizer.encode(prefix + w.lstrip(), add_special_tokens=False))
+                   for w in words for prefix in ("", " ")}
+        return tuple(sorted(s for s in spelled if s))
 
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]:
         """Validate every prompt, then queue them all (none is queued if one is bad); their ids. (``stream``
@@ -157,7 +171,7 @@ class EngineCore:
         params = request.params
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         r = Request(request.request_id, request.prompt, request.token_ids, params, seed, request.cache_salt,
-                    request.grammar)
+                    request.grammar, request.bad_words)
         seq = Sequence(self.scheduler.new_seq_id(), r, 0, list(request.token_ids))
         r.seqs.append(seq)
         self._requests[r.request_id] = r
@@ -284,6 +298,7 @@ class EngineCore:
         ahead = self.scheduler.lookahead(out).needs  # backed in the ledger now, mapped by the workers meanwhile
         new, seq_ids, slots, starts, samples, produced, tokens, offsets = [], [], [], [], [], [], [], [0]
         allowed = {}  # seq_id -> the token bitmask of its grammar's next token
+        banned = {}  # seq_id -> the token ids that would complete one of its bad words
         for s in out.scheduled:
             seq = s.seq
             if seq.seq_id not in self._announced:
@@ -306,9 +321,11 @@ class EngineCore:
                 if seq.matcher is None:
                     seq.matcher = self.grammars.matcher(seq.request.grammar)
                 allowed[seq.seq_id] = seq.matcher.compute_bitmask()
+            if s.num_samples and seq.request.bad_words and (ban := _banned(seq)):
+                banned[seq.seq_id] = ban
         forget, self._forget = tuple(self._forget), []
         return StepInput(next(self._messages), tuple(new), forget, ops, ahead, tuple(seq_ids), tuple(slots), tuple(starts),
-                         tuple(samples), tuple(produced), tuple(tokens), tuple(offsets), allowed)
+                         tuple(samples), tuple(produced), tuple(tokens), tuple(offsets), allowed, banned)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -106,8 +106,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            if self.ends_in_flight(seq) or (seq.pending and seq.request.grammar is not None):
-                continue  # a grammar's next mask needs the token in flight (cluster.structured)
+            if self.ends_in_flight(seq) or (seq.pending and seq.request.samples_after_its_last_token):
+                continue  # its next draw needs the token in flight (a grammar's mask, a bad word's ban)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._back(seq, seq.num_computed + n, out):
                 break  # seq itself was preempted: it was the last running one

@@ -35,12 +35,19 @@ class Request:
     seed: int
     cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached blocks
     grammar: str | None = None  # structured outputs: the compiled grammar its sequences' outputs must match
+    bad_words: tuple[tuple[int, ...], ...] = ()  # ``params.bad_words`` as token ids, each way they can be written
     times: Timestamps = field(default_factory=Timestamps)
     seqs: list["Sequence"] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    @property
+    def samples_after_its_last_token(self) -> bool:
+        """Its next draw depends on the token before it (a grammar, a bad word of several tokens): under async
+        scheduling it skips the step launched while that token is on the device."""
+        return self.grammar is not None or any(len(w) > 1 for w in self.bad_words)
 
 
 @dataclass(eq=False)

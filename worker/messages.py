@@ -49,6 +49,7 @@ class StepInput:
     token_ids: tuple[int, ...] = ()
     offsets: tuple[int, ...] = (0,)
     allowed: dict[int, bytes] = field(default_factory=dict)  # seq_id -> its grammar's bitmask of the next token
+    banned: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> token ids its bad words ban now
 
 
 @dataclass(frozen=True, slots=True)

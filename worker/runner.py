@@ -11,8 +11,8 @@ from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
 from worker.penalties import PenaltyState
 from worker.rope import rope_cache, rope_for
-from worker.sampling import (SampledToken, SamplingParams, grammar_masked, needs_processing, noise_keys,
-                             processed_logits, sample)
+from worker.sampling import (SampledToken, SamplingParams, banned_masked, grammar_masked, needs_processing,
+                             noise_keys, processed_logits, sample)
 from worker.staging import to_device
 
 
@@ -31,6 +31,7 @@ class ScheduledChunk:
     output_index: int  # tokens the sequence has generated so far (seeds the sampler)
     sample_index: int = 0  # which of the request's n samples this sequence is
     allowed: bytes | None = None  # structured outputs: a bit per token id its grammar allows next (little-endian words)
+    banned: tuple[int, ...] = ()  # token ids its bad words ban at this draw
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,8 @@ class ModelRunner:
         raw = logits  # logprobs: the model's own
         if masked := [(row, c.allowed) for row, i in enumerate(wanted) if (c := chunks[i]).allowed is not None]:
             logits = grammar_masked(logits, masked)
+        if banned := [(row, c.banned) for row, i in enumerate(wanted) if (c := chunks[i]).banned]:
+            logits = banned_masked(logits, banned)
         if asks:
             logits = processed_logits(logits, asks, self.model.config.eos_token_ids)
         penalized = [(row, chunks[i]) for row, i in enumerate(wanted) if chunks[i].params.penalized]

@@ -77,6 +77,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # the output text leaves special tokens (EOS, a template's markers) out
     structured_outputs: StructuredOutputs | None = None  # what the output must match (JSON schema, regex, ...)
+    # vLLM's: words the output must not contain (each as written and after a space); a word of several tokens bans its
+    # last one where the output ends in the others.
+    bad_words: tuple[str, ...] = ()
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
 
     def __post_init__(self) -> None:
@@ -90,6 +93,9 @@ class SamplingParams:
         ):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             bias = tuple(sorted((t, float(b)) for t, b in bias))
@@ -215,3 +221,11 @@ def grammar_masked(logits: torch.Tensor, rows: Sequence[tuple[int, bytes]]) -> t
     out = logits.clone()
     out[at] = logits[at].masked_fill(~allowed, float("-inf"))
     return out
+
+
+def banned_masked(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+    """``logits`` with each row's banned token ids (``rows``: ``(row, ids)``) at -inf; one scatter for the batch."""
+    pairs = [(row, t) for row, ids in rows for t in ids if t < logits.shape[-1]]
+    index = to_device(torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2), logits.device)
+    return logits.index_put((index[:, 0], index[:, 1]),
+                            torch.full((len(pairs),), float("-inf"), dtype=logits.dtype, device=logits.device))

@@ -18,7 +18,7 @@ class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -36,7 +36,7 @@ class ByteTokenizer:
     SPECIAL = {256: "<s>", 257: "</s>"}
     has_chat_template = True  # a toy one: "<role>content" lines
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -79,8 +79,8 @@ class HFTokenizer:
         self._specials = {k: config.get(k) for k in ("bos_token", "eos_token")}
         self.eos_token_ids = eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -235,7 +235,7 @@ class Worker:
                     raise ValueError(f"step {step.step}: seq {seq_id} ends in a placeholder, but no token was sampled for it")
             chunks.append(ScheduledChunk(seq_id, step.slots[i], tokens, step.starts[i], step.num_samples[i],
                                          seq.params, seq.seed, step.output_index[i], seq.sample_index,
-                                         step.allowed.get(seq_id)))
+                                         step.allowed.get(seq_id), step.banned.get(seq_id, ())))
         fill = TokenFill(tuple(fill_chunks), prev.tokens, tuple(fill_rows)) if fill_chunks else None
         return StepPlan(tuple(chunks), fill)
 

@@ -4,6 +4,8 @@ generated tokens), with async scheduling on and off, chunked, under memory press
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -132,3 +134,24 @@ def test_penalty_state_reuses_rows_and_grows():
     out = state.apply(logits, [0, 1], [1, 100], params)
     assert out[0, 9].item() == 4 / 2 - 1 - 0.5 and out[1, 4].item() == -1 * 2 - 2 - 0.5
     assert len(state) == 11 and state._counts.shape[0] == 32
+
+
+def test_bad_words_never_appear_whole_launched_ahead_or_not():
+    """vLLM's ``bad_words``: a one-token word is never drawn; a word of several tokens never completed (its last
+    token banned where the output ends in the others), written alone or after a space; the rest of the output is the
+    greedy one's until the first ban, and async scheduling gives the same tokens as one step at a time."""
+    forced = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias={ord("a"): 100, ord(" "): 99})
+    runs = []
+    for overlap in (True, False):
+        with LLM("tiny", device="cpu", max_model_len=128, kv_memory=8 << 20, async_scheduling=overlap) as llm:
+            free = llm.generate(["x"], forced)[0].outputs[0].text
+            assert free == "a" * 24  # what the bias alone gives
+            once = llm.generate(["x"], replace(forced, bad_words=("aa",)))[0].outputs[0].text
+            never = llm.generate(["x", "y"], [replace(forced, bad_words=("a",)), forced])
+            spaced = llm.generate(["x"], replace(forced, bad_words=("a a",)))[0].outputs[0].text
+            runs.append((once, [o.outputs[0].text for o in never], spaced))
+    once, (never, beside), spaced = runs[0]
+    assert "aa" not in once and once.startswith("a ") and once.count("a") == 12  # 'a' then the runner-up, ' '
+    assert "a" not in never and beside == "a" * 24
+    assert "a a" not in spaced and " a a" not in spaced and spaced.startswith("a")
+    assert runs[0] == runs[1]

@@ -122,6 +122,15 @@ def test_penalties_reach_the_sampler(client, local):
     assert got.choices[0].message.content == chat.text
 
 
+def test_bad_words_reach_the_sampler(client, local):
+    args = dict(model="tiny", prompt="x", max_tokens=12, temperature=0, logit_bias={str(ord("a")): 100})
+    want = local.generate("x", SamplingParams(max_tokens=12, temperature=0, logit_bias={ord("a"): 100}, ignore_eos=True,
+                                              bad_words=("aa",)))[0].outputs[0]
+    assert (97, 97) not in zip(want.token_ids, want.token_ids[1:]) and want.token_ids[0] == 97  # banned as tokens
+    got = client.completions.create(**args, extra_body={"ignore_eos": True, "bad_words": ["aa"]}).choices[0].text
+    assert got == want.text != "a" * 12
+
+
 def test_skip_special_tokens_false_keeps_eos_in_the_text_whole_and_streamed(client, local):
     eos = local.tokenizer.eos_token_ids[0]
     args = dict(model="tiny", prompt="abc", max_tokens=3, temperature=0, logit_bias={str(eos): 100})
