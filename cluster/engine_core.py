@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ class EngineCore:
         self.max_model_len = plan.max_model_len
         self.telemetry = Telemetry(plan)
         self.grammars = GrammarCompiler(tokenizer, plan.model.vocab_size)
+        self._seeds = random.Random(plan.config.seed)  # a request without a seed gets the next (vLLM's --seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._ended: list[RequestOutput] = []  # final outputs of aborted requests, for the next step to return
@@ -169,7 +171,7 @@ class EngineCore:
 
     def add(self, request: PreparedRequest) -> str:
         params = request.params
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         r = Request(request.request_id, request.prompt, request.token_ids, params, seed, request.cache_salt,
                     request.grammar, request.bad_words)
         seq = Sequence(self.scheduler.new_seq_id(), r, 0, list(request.token_ids))

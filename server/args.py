@@ -45,6 +45,7 @@ class ServeArgs(BaseModel):
     max_tokens_limit: int | None = Field(None, ge=1)
     max_pending: int = Field(1024, ge=1)
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None  # reads tool_choice "auto" answers (vLLM's flag)
+    seed: int = 0  # random weights (dummy load), and the seeds of requests that bring none (vLLM's --seed)
 
     @classmethod
     def parse(cls, args: "dict | ServeArgs") -> "ServeArgs":
@@ -72,7 +73,7 @@ class ServeArgs(BaseModel):
             kv_memory=self.kv_memory, kv_memory_fraction=self.kv_memory_fraction, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True, load_format=self.load_format,
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             distributed="ray", placement_strategy=self.placement_strategy, enable_prefix_caching=self.enable_prefix_caching,
-            cuda_graphs=False if self.enforce_eager else None,
+            cuda_graphs=False if self.enforce_eager else None, seed=self.seed,
         )
 
     def settings(self) -> ServerSettings:

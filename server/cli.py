@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
                      help="how answers to tool_choice 'auto' are read: hermes (Hermes, Qwen 2.5) or llama3_json (vLLM's "
                           "flag; without it 'auto' with tools is refused, 'required' and named functions need none)")
+    srv.add_argument("--seed", type=int, default=0,
+                     help="seeds the requests that bring none, and dummy weights (vLLM's flag)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted for vLLM command lines: --tool-call-parser alone turns 'auto' on")
     engine_options(srv)
@@ -72,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager, num_replicas=args.num_replicas,
             ingress_replicas=args.ingress_replicas,
             api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,
-            max_pending=args.max_pending, tool_call_parser=args.tool_call_parser,
+            max_pending=args.max_pending, tool_call_parser=args.tool_call_parser, seed=args.seed,
         ))
         engine = serve_args.engine()
         plan(engine, model_config(args.model), device)  # bad options fail here, before Ray starts

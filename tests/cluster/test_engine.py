@@ -640,3 +640,15 @@ def test_a_worker_forgets_sequences_that_ended_while_their_next_step_was_in_flig
         assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * 3
         worker = llm.core.executor.worker
         assert worker._seqs == {} and worker._last == {}
+
+
+def test_the_engine_seed_makes_requests_without_one_reproducible(hf_llama):
+    """vLLM's ``--seed``: requests that bring no seed draw the engine's next ones, so a run repeats under the same
+    engine seed and not under another (a checkpoint's weights do not depend on it)."""
+    def run(seed: int) -> list[list[int]]:
+        with LLM(hf_llama[0], device="cpu", dtype="float32", seed=seed, max_model_len=128, kv_memory=4 << 20) as llm:
+            params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+            return [list(o.outputs[0].token_ids) for o in llm.generate([[5, 6, 7]] * 3, params)]
+
+    first, again, other = run(1), run(1), run(2)
+    assert first == again and first != other and len({tuple(t) for t in first}) == 3
