@@ -39,6 +39,7 @@ Prompt = str | list[int] | dict
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class StepInfo:
     """What the last step ran (for benchmarks and metrics)."""
@@ -74,8 +75,8 @@ class PreparedRequest:
 def _banned(seq: Sequence) -> tuple[int, ...]:
     """The tokens that would complete one of ``seq``'s bad words after its output so far."""
     output = seq.output_token_ids
-    return tuple(sorted({w[-1] for w in seq.request.bad_words
-                         if len(w) == 1 or (len(w) - 1 <= len(output) and tuple(output[len(output) - len(w) + 1:]) == w[:-1])}))
+    ends_in = lambda head: not head or (len(head) <= len(output) and tuple(output[len(output) - len(head):]) == head)
+    return tuple(sorted({w[-1] for w in seq.request.bad_words if ends_in(w[:-1])}))
 
 
 def _unpack(prompt: dict, cache_salt: str | None) -> tuple[str | list[int], str | None]:
@@ -320,9 +321,7 @@ class EngineCore:
             produced.append(seq.num_generated - (1 if s.num_samples else 0))
             offsets.append(len(tokens))
             if s.num_samples and seq.request.grammar is not None:
-                if seq.matcher is None:
-                    seq.matcher = self.grammars.matcher(seq.request.grammar)
-                allowed[seq.seq_id] = seq.matcher.compute_bitmask()
+                allowed[seq.seq_id] = self._matcher(seq).compute_bitmask()
             if s.num_samples and seq.request.bad_words and (ban := _banned(seq)):
                 banned[seq.seq_id] = ban
         forget, self._forget = tuple(self._forget), []
@@ -352,18 +351,23 @@ class EngineCore:
     def _match(self, seq: Sequence) -> bool:
         """Advance ``seq``'s grammar over its new tokens (a fork's matcher starts at the output's start); True when
         the grammar ended it -- complete, nothing more allowed -- or its token broke it (a finish reason given)."""
-        if seq.matcher is None:
-            seq.matcher = self.grammars.matcher(seq.request.grammar)
+        matcher = self._matcher(seq)
         new = seq.output_token_ids[seq.matched:]
         seq.matched += len(new)
-        if not seq.matcher.consume_tokens(new):
-            logger.warning("seq %d: token %s broke its grammar (%s)", seq.seq_id, new, seq.matcher.get_error())
+        if not matcher.consume_tokens(new):
+            logger.warning("seq %d: token %s broke its grammar (%s)", seq.seq_id, new, matcher.get_error())
             self._finish(seq, "stop")
             return True
-        if seq.matcher.is_stopped():
+        if matcher.is_stopped():
             self._finish(seq, "stop")
             return True
         return False
+
+    def _matcher(self, seq: Sequence):
+        """``seq``'s grammar matcher, made at its output's start the first time it is needed."""
+        if seq.matcher is None:
+            seq.matcher = self.grammars.matcher(seq.request.grammar)
+        return seq.matcher
 
     def _text(self, seq: Sequence) -> str:
         """``seq``'s output text: while it runs, extended by its new tokens only (streaming and stop strings

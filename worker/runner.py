@@ -252,16 +252,26 @@ class ModelRunner:
         # Greedy rows take one batched argmax, the others one batched draw (``sample``: each row's parameters and
         # noise, no loop over rows on the device); logprobs are worked out on the device too: nothing waits for the
         # device before the step's result is read.
-        asks = [(row, c.params, c.output_index) for row, i in enumerate(wanted)
-                if needs_processing((c := chunks[i]).params, c.output_index)]
+        # One walk over the rows for what only some ask for: a grammar's mask, banned words, bias or min tokens,
+        # penalties (vLLM's order).
+        masked, banned, asks, penalized = [], [], [], []
+        for row, i in enumerate(wanted):
+            c = chunks[i]
+            if c.allowed is not None:
+                masked.append((row, c.allowed))
+            if c.banned:
+                banned.append((row, c.banned))
+            if needs_processing(c.params, c.output_index):
+                asks.append((row, c.params, c.output_index))
+            if c.params.penalized:
+                penalized.append((row, c))
         raw = logits  # logprobs: the model's own
-        if masked := [(row, c.allowed) for row, i in enumerate(wanted) if (c := chunks[i]).allowed is not None]:
+        if masked:
             logits = grammar_masked(logits, masked)
-        if banned := [(row, c.banned) for row, i in enumerate(wanted) if (c := chunks[i]).banned]:
+        if banned:
             logits = banned_masked(logits, banned)
         if asks:
             logits = processed_logits(logits, asks, self.model.config.eos_token_ids)
-        penalized = [(row, chunks[i]) for row, i in enumerate(wanted) if chunks[i].params.penalized]
         if penalized:
             logits = self._penalties.apply(logits, [row for row, _ in penalized], [c.seq_id for _, c in penalized],
                                            [c.params for _, c in penalized])
