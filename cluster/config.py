@@ -38,6 +38,8 @@ class EngineConfig:
     ``distributed="ray"`` runs a scheduler actor and one worker actor per (pp stage, tp rank)."""
 
     model: str = "tiny"
+    tokenizer: str | None = None  # a directory with a tokenizer.json, instead of the model's (vLLM's --tokenizer)
+    chat_template: str | None = None  # a Jinja template, or a file holding one, instead of the model's
     kv_layout: str = "mega"
     attention: str | None = None
     max_num_seqs: int = 64

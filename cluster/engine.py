@@ -77,7 +77,8 @@ class LLM:
 
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         engine_plan = plan(config, built.config if built else model_config(model), device)
-        self.tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
+        self.tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids, config.tokenizer,
+                                        config.chat_template)
         self.max_model_len = engine_plan.max_model_len
         executor = LocalExecutor(engine_plan, built)
         try:

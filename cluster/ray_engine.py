@@ -58,7 +58,8 @@ class RayEngine:
         cpus = int(ray.cluster_resources().get("CPU", 0))
         if device == "cpu" and n > cpus:
             raise ValueError(f"{n} CPU workers need {n} CPUs of the Ray cluster; it has {cpus}")
-        self.tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
+        self.tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids, config.tokenizer,
+                                        config.chat_template)
         self.max_model_len = engine_plan.max_model_len
         options = {"name": name} if name else {}
         if placement is not None:

@@ -43,7 +43,8 @@ class SchedulerActor:
         self._rebuilding = False
         try:
             engine_plan = plan(config, model_config(config.model), config.device)
-            tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids)
+            tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids, config.tokenizer,
+                                       config.chat_template)
             executor = RayExecutor(engine_plan, placement=placement)
             try:
                 self.core = EngineCore(executor.plan, executor, tokenizer)

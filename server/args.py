@@ -20,6 +20,8 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "tiny"
+    tokenizer: str | None = None  # a directory with a tokenizer.json instead of the model's
+    chat_template: str | None = None  # a Jinja template, or a file holding one, instead of the model's
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
@@ -73,7 +75,8 @@ class ServeArgs(BaseModel):
             kv_memory=self.kv_memory, kv_memory_fraction=self.kv_memory_fraction, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True, load_format=self.load_format,
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             distributed="ray", placement_strategy=self.placement_strategy, enable_prefix_caching=self.enable_prefix_caching,
-            cuda_graphs=False if self.enforce_eager else None, seed=self.seed,
+            cuda_graphs=False if self.enforce_eager else None, seed=self.seed, tokenizer=self.tokenizer,
+            chat_template=self.chat_template,
         )
 
     def settings(self) -> ServerSettings:

@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
                      help="how answers to tool_choice 'auto' are read: hermes (Hermes, Qwen 2.5) or llama3_json (vLLM's "
                           "flag; without it 'auto' with tools is refused, 'required' and named functions need none)")
+    srv.add_argument("--tokenizer", help="a directory with a tokenizer.json, instead of the model's (vLLM's flag)")
+    srv.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, instead of the model's")
     srv.add_argument("--seed", type=int, default=0,
                      help="seeds the requests that bring none, and dummy weights (vLLM's flag)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -62,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
     from server.app import app_builder
     from server.args import ServeArgs
     from server.serve_env import local_cluster_env
+    from worker.tokenizer import load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -75,9 +78,11 @@ def _serve(args: argparse.Namespace) -> int:
             ingress_replicas=args.ingress_replicas,
             api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,
             max_pending=args.max_pending, tool_call_parser=args.tool_call_parser, seed=args.seed,
+            tokenizer=args.tokenizer, chat_template=args.chat_template,
         ))
         engine = serve_args.engine()
         plan(engine, model_config(args.model), device)  # bad options fail here, before Ray starts
+        load_tokenizer(args.model, (), args.tokenizer, args.chat_template)
         app = app_builder(serve_args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"vattn: error: {exc}", file=sys.stderr)

@@ -62,7 +62,7 @@ class HFTokenizer:
     """``tokenizer.json`` through the ``tokenizers`` library; the chat template from ``chat_template.jinja``
     (where current transformers saves it) or else ``tokenizer_config.json``."""
 
-    def __init__(self, path: Path, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, path: Path, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None):
         from tokenizers import Tokenizer as RustTokenizer
 
         file = path / "tokenizer.json"
@@ -75,6 +75,8 @@ class HFTokenizer:
         self._template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         if isinstance(self._template, list):  # several named templates: the default one
             self._template = next((t["template"] for t in self._template if t.get("name") == "default"), None)
+        if chat_template is not None:  # the caller's, over the model's
+            self._template = chat_template
         self.has_chat_template = bool(self._template)
         self._specials = {k: config.get(k) for k in ("bos_token", "eos_token")}
         self.eos_token_ids = eos_token_ids
@@ -147,9 +149,21 @@ class _StreamDetokenizer:
         return self._stream.step(self._tok, token_id) or ""
 
 
-def load_tokenizer(model: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
-    """The directory's tokenizer, or bytes when there is no ``tokenizer.json`` (presets)."""
-    path = Path(model)
+def load_tokenizer(model: str, eos_token_ids: tuple[int, ...] = (), tokenizer: str | None = None,
+                   chat_template: str | None = None) -> Tokenizer:
+    """The directory's tokenizer (``tokenizer``'s where given: vLLM's ``--tokenizer``), or bytes when there is no
+    ``tokenizer.json`` (presets). ``chat_template``: a Jinja template, or a file holding one, instead of the
+    model's (vLLM's ``--chat-template``); a ``ValueError`` for a tokenizer that cannot take one."""
+    path = Path(tokenizer if tokenizer is not None else model)
+    if tokenizer is not None and not (path / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer {tokenizer!r} is no directory with a tokenizer.json")
+    template = chat_template
+    if chat_template is not None and "{" not in chat_template:
+        if not Path(chat_template).is_file():
+            raise ValueError(f"chat_template {chat_template!r} is neither a Jinja template nor a file")
+        template = Path(chat_template).read_text()
     if path.is_dir() and (path / "tokenizer.json").is_file():
-        return HFTokenizer(path, eos_token_ids)
+        return HFTokenizer(path, eos_token_ids, template)
+    if chat_template is not None:
+        raise ValueError(f"chat_template needs a model with a tokenizer.json; {model!r} has the byte tokenizer")
     return ByteTokenizer()

@@ -652,3 +652,14 @@ def test_the_engine_seed_makes_requests_without_one_reproducible(hf_llama):
 
     first, again, other = run(1), run(1), run(2)
     assert first == again and first != other and len({tuple(t) for t in first}) == 3
+
+
+def test_the_engine_takes_the_tokenizer_and_chat_template_it_is_given(tmp_path):
+    from tests.worker.test_detokenizer import trained
+
+    trained("byte_level", tmp_path)
+    with LLM("tiny", device="cpu", max_model_len=64, kv_memory=4 << 20, tokenizer=str(tmp_path / "byte_level"),
+             chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}") as llm:
+        assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"
+        (out,) = llm.generate("The fox", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert list(out.prompt_token_ids) == llm.tokenizer.encode("The fox") != list(b"The fox")

@@ -80,3 +80,25 @@ def test_trained_tokenizers_on_real_text(hf_tokenizer, text):
     check_prefixes(hf_tokenizer, ids)
     detok = hf_tokenizer.detokenizer()
     assert "".join(map(detok.step, ids)) == hf_tokenizer.decode(ids) == text
+
+
+def test_a_tokenizer_and_chat_template_of_ones_own_replace_the_models(tmp_path):
+    """vLLM's ``--tokenizer`` and ``--chat-template``: another directory's tokenizer.json; a template given as text
+    or as a file; refusals that name the value."""
+    from worker.tokenizer import load_tokenizer
+
+    tok = trained("byte_level", tmp_path)
+    directory = str(tmp_path / "byte_level")
+    assert isinstance(load_tokenizer("tiny"), ByteTokenizer)
+    got = load_tokenizer("tiny", tokenizer=directory, chat_template="{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert got.encode("The quick fox") == tok.encode("The quick fox")
+    assert got.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "[a][b]"
+    (tmp_path / "t.jinja").write_text("{{ messages | length }} {{ tools | length }}")
+    got = load_tokenizer(directory, chat_template=str(tmp_path / "t.jinja"))
+    assert got.apply_chat_template([{"role": "user", "content": "a"}], tools=[{"function": {"name": "f"}}]) == "1 1"
+    with pytest.raises(ValueError, match="tokenizer '/nowhere' is no directory with a tokenizer.json"):
+        load_tokenizer("tiny", tokenizer="/nowhere")
+    with pytest.raises(ValueError, match="chat_template 'missing.jinja' is neither a Jinja template nor a file"):
+        load_tokenizer(directory, chat_template="missing.jinja")
+    with pytest.raises(ValueError, match="chat_template needs a model with a tokenizer.json; 'tiny' has the byte"):
+        load_tokenizer("tiny", chat_template="{{ messages }}")
