@@ -28,9 +28,6 @@ class PenaltyState:
         self._counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
         self._prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
 
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._rows
-
     def __len__(self) -> int:
         return len(self._rows)
 

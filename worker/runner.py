@@ -11,8 +11,8 @@ from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
 from worker.penalties import PenaltyState
 from worker.rope import rope_cache, rope_for
-from worker.sampling import (SampledToken, SamplingParams, banned_masked, grammar_masked, needs_processing,
-                             noise_keys, processed_logits, sample)
+from worker.sampling import (SampledToken, SamplingParams, grammar_masked, needs_processing, noise_keys,
+                             processed_logits, sample)
 from worker.staging import to_device
 
 
@@ -268,10 +268,8 @@ class ModelRunner:
         raw = logits  # logprobs: the model's own
         if masked:
             logits = grammar_masked(logits, masked)
-        if banned:
-            logits = banned_masked(logits, banned)
-        if asks:
-            logits = processed_logits(logits, asks, self.model.config.eos_token_ids)
+        if asks or banned:
+            logits = processed_logits(logits, asks, self.model.config.eos_token_ids, banned)
         if penalized:
             logits = self._penalties.apply(logits, [row for row, _ in penalized], [c.seq_id for _, c in penalized],
                                            [c.params for _, c in penalized])

@@ -187,12 +187,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
 
 
 def processed_logits(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, int]],
-                     eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+                     eos_token_ids: tuple[int, ...], banned: Sequence[tuple[int, Sequence[int]]] = ()) -> torch.Tensor:
     """``logits`` ``[rows, vocab]`` as the draw sees them. ``rows``: ``(row, params, made)`` of the rows whose params
     ask for it (``needs_processing``; ``made``: the tokens its sequence made before this one): their ``logit_bias``
     added, and their EOS (unless they ignore EOS) and ``stop_token_ids`` at -inf while they have made fewer than
-    ``min_tokens``. One scatter for the batch, its indices built on the host; the same tensor where nothing applies."""
-    entries = []
+    ``min_tokens``; ``banned``: ``(row, token ids)`` at -inf (bad words). One scatter for the batch, its indices built
+    on the host; the same tensor where nothing applies."""
+    entries = [(row, token, float("-inf")) for row, ids in banned for token in ids if token < logits.shape[-1]]
     for row, p, made in rows:
         entries += [(row, token, bias) for token, bias in p.logit_bias]
         if made < p.min_tokens:
@@ -222,10 +223,3 @@ def grammar_masked(logits: torch.Tensor, rows: Sequence[tuple[int, bytes]]) -> t
     out[at] = logits[at].masked_fill(~allowed, float("-inf"))
     return out
 
-
-def banned_masked(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
-    """``logits`` with each row's banned token ids (``rows``: ``(row, ids)``) at -inf; one scatter for the batch."""
-    pairs = [(row, t) for row, ids in rows for t in ids if t < logits.shape[-1]]
-    index = to_device(torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2), logits.device)
-    return logits.index_put((index[:, 0], index[:, 1]),
-                            torch.full((len(pairs),), float("-inf"), dtype=logits.dtype, device=logits.device))
