@@ -1,5 +1,6 @@
 """Decode attention kernels over the virtual cache, one layer: flash-attn's split-KV kernel (FA2, the engine's
-decode until now) against the Triton split-KV kernel (``worker/attention/triton_decode.py``) in a few tunings.
+decode until now) against FlashInfer's (its FA3 prefill kernel run as decode, and TensorRT-LLM's XQA over the
+slots as strided pages) and the Triton split-KV kernel (``worker/attention/triton_decode.py``) in a few tunings.
 
 Batches as the engine's decode steps meet them: W1's (128 sequences, 512-2176 tokens), the decode-heavy
 workload's (256, 256-1280), long contexts (16 of 8K-32K, Qwen2.5-7B's 28/4 heads). The cache is the ``mega``
@@ -66,9 +67,31 @@ def flashinfer_fa3(q, k, v, lens: list[int], slots: list[int], slot_tokens: int)
     return lambda: wrapper.run(q, pages, out=out)
 
 
+def flashinfer_xqa(q, k, v, lens, slots, slot_tokens: int, page: int = 64):
+    """TensorRT-LLM's XQA decode kernel (FlashInfer's port: GQA heads sharing one K/V read, split over the KV on
+    its own) over the virtual cache's slots as strided pages of ``page`` tokens -- the page table is arithmetic,
+    slot * pages a slot + page. None without FlashInfer or when the slot is not a whole number of pages."""
+    try:
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache
+    except ImportError:
+        return None
+    if slot_tokens % page:
+        return None
+    per_slot = slot_tokens // page
+    tables = (slots.long()[:, None] * per_slot + torch.arange(per_slot, device="cuda")).to(torch.int32)
+    pages = (k.flatten(0, 1).unflatten(0, (-1, page)), v.flatten(0, 1).unflatten(0, (-1, page)))
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    seq_lens = lens.to(torch.uint32)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(q.shape[-1])
+    return lambda: xqa_batch_decode_with_kv_cache(q, pages, workspace, tables, seq_lens, slot_tokens,
+                                                  bmm1_scale=scale, out=out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="decode_attention")
+    parser.add_argument("--no-triton", action="store_true", help="leave out the Triton kernel's tunings")
     args = parser.parse_args()
     try:
         from flash_attn import flash_attn_with_kvcache
@@ -92,12 +115,21 @@ def main() -> None:
         if flash_attn_with_kvcache is not None:
             runs["flash_attn FA2 split-KV"] = lambda: flash_attn_with_kvcache(
                 q[:, None], k, v, cache_seqlens=lens, cache_batch_idx=slots)[:, 0]
+            for splits in (1, 2, 4, 8):  # its own choice above; these force the KV split
+                runs[f"flash_attn FA2 num_splits={splits}"] = lambda n=splits: flash_attn_with_kvcache(
+                    q[:, None], k, v, cache_seqlens=lens, cache_batch_idx=slots, num_splits=n)[:, 0]
         fa3 = flashinfer_fa3(q, k, v, lens_host, slots.tolist(), slot_tokens)
         if fa3 is not None:
             runs["flashinfer FA3 (prefill kernel, q=1)"] = fa3
+        for page in (64, 128):
+            xqa = flashinfer_xqa(q, k, v, lens, slots, slot_tokens, page)
+            if xqa is not None:
+                runs[f"flashinfer XQA pages of {page}"] = xqa
         default_split = split_tokens(slot_tokens)
         tunings = [(n, s, 4, default_split) for n, s in itertools.product((32, 64, 128), (2, 3, 4))]
         tunings += [(128, s, 8, default_split) for s in (2, 3)] + [(64, 3, 4, 512), (64, 3, 4, 1024)]
+        if args.no_triton:
+            tunings = []
         for block_n, stages, warps, split in tunings:
             runs[f"triton n{block_n} s{stages} w{warps} split{split}"] = (
                 lambda b=block_n, s=stages, w=warps, sp=split: decode_attention(

@@ -88,8 +88,7 @@ class VirtualKVCache(SlotCache):
                 self._bases.append(self._vmm.reserve(spec.buffer_bytes))
                 if self.zero_unmapped:
                     for slot in range(spec.max_slots):
-                        for index in range(self._guard):
-                            self._vmm.map_zero(self._bases[-1] + self._offset(slot, index), spec.page_size)
+                        self._vmm.map_zero(self._bases[-1] + self._offset(slot, 0), spec.page_size, self._guard)
         except VMMError as exc:
             self._free_reservations()
             raise KVCacheError(
@@ -210,9 +209,9 @@ class VirtualKVCache(SlotCache):
             if self.zero_unmapped:
                 vmm.unmap(base + self._offset(slot, first), size * (min(first + n, first + self._guard, last) - first))
             vmm.map_run(base + self._offset(slot, first), size, [handle(page[buffer]) for page in pages])
-            if self.zero_unmapped:
-                for index in range(max(first + n, first + self._guard), min(first + n + self._guard, last)):
-                    vmm.map_zero(base + self._offset(slot, index), size)
+            guard = max(first + n, first + self._guard)
+            if self.zero_unmapped and guard < min(first + n + self._guard, last):
+                vmm.map_zero(base + self._offset(slot, guard), size, min(first + n + self._guard, last) - guard)
         each = (time.perf_counter() - start) * 1e6 / n
         self._counters.map_latency_us.extend([each] * n)
         self._counters.maps += n
@@ -248,8 +247,7 @@ class VirtualKVCache(SlotCache):
         for base in self._bases:
             vmm.unmap(base + self._offset(slot, first), size * n)
             if self.zero_unmapped:
-                for index in range(first, min(first + n, first + self._guard)):
-                    vmm.map_zero(base + self._offset(slot, index), size)
+                vmm.map_zero(base + self._offset(slot, first), size, min(n, self._guard))
                 stale = max(first + n, first + self._guard)
                 if stale < min(first + n + self._guard, last):
                     vmm.unmap(base + self._offset(slot, stale), size * (min(first + n + self._guard, last) - stale))

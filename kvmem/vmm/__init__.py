@@ -38,8 +38,9 @@ class VMM(Protocol):
         """Map ``handles`` back to back from ``va``, ``size`` bytes each, read-write (the range must be unmapped).
         Each stays its own mapping (``unmap`` one at a time); CUDA sets the access of the whole run in one call."""
 
-    def map_zero(self, va: int, size: int) -> None:
-        """Map read-only zeros at ``va`` so that stray reads see zeros instead of faulting."""
+    def map_zero(self, va: int, size: int, pages: int = 1) -> None:
+        """Map read-only zeros over ``pages`` pages of ``size`` bytes from ``va`` (each its own mapping, as
+        ``map_run``'s) so that stray reads see zeros instead of faulting."""
 
     def unmap(self, va: int, size: int) -> None:
         """Unmap ``[va, va + size)``: whole earlier ``map``/``map_zero``/``map_run`` pages, one or several adjacent

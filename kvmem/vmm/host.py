@@ -125,11 +125,12 @@ class HostVMM:
                     self.unmap(va + done * size, size)
                 raise
 
-    def map_zero(self, va: int, size: int) -> None:
+    def map_zero(self, va: int, size: int, pages: int = 1) -> None:
         # Private anonymous read-only memory reads as the kernel's zero page and costs no memory.
-        self._check_unmapped("map_zero", va, size)
-        self._mmap("map_zero", va, size, mmap.PROT_READ, _ANON | MAP_FIXED)
-        self._record(va, size)
+        self._check_unmapped("map_zero", va, size * pages)
+        for i in range(pages):
+            self._mmap("map_zero", va + i * size, size, mmap.PROT_READ, _ANON | MAP_FIXED)
+            self._record(va + i * size, size)
 
     def unmap(self, va: int, size: int) -> None:
         at = va
