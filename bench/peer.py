@@ -12,8 +12,8 @@ peer. The floor is measured in the same call. Results of another call, or of oth
     python bench/peer.py compare RESULT.json ...      # the check and the table, on saved side results
 
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
-the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-nozero``: no zero page over unmapped
-KV space, for what mapping costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
+the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
+past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
 ``vattn-page8m``: 8 MiB pages).
 """
 
@@ -94,8 +94,8 @@ class Workload:
 VATTN_SIDES = {
     "vattn": {},
     "vattn-nocache": {"enable_prefix_caching": False},  # what prefix caching gains
-    "vattn-nozero": {"zero_unmapped": False},  # what the zero page over unmapped KV space costs
-    "vattn-noguard": {"kv_guard_tokens": None},  # the zero page over all unmapped KV space, not just a guard
+    "vattn-zero": {"zero_unmapped": True},  # the zero page over 256 tokens past each slot's pages: what it costs
+    "vattn-noguard": {"zero_unmapped": True, "kv_guard_tokens": None},  # the zero page over all unmapped KV space
     "vattn-page8m": {"page_size": 8 << 20},  # a quarter of the driver calls a token, at 4x coarser prefix granularity
 }
 

@@ -52,8 +52,9 @@ class EngineConfig:
     deferred_reclamation: bool = True  # freed slots keep their pages mapped for the next request (virtual layouts)
     enable_prefix_caching: bool = True  # full blocks of finished and running requests' tokens are reused (vLLM's name)
     # A read-only zero page over unmapped KV space (virtual layouts): a stray read sees zeros, not a fault that loses
-    # the CUDA context; it about doubles the driver time of mapping and unmapping (bench/README.md).
-    zero_unmapped: bool = True
+    # the CUDA context. Off by default: every in-place kernel reads only mapped pages (the GPU tests run them over
+    # unbacked space), and the zero page's mappings cost decode steps 4% on the H100 (docs/performance.md).
+    zero_unmapped: bool = False
     # With zero_unmapped (ignored without): the zero page backs only this many tokens past each slot's mapped pages (the farthest a
     # kernel's tile reads past a sequence: every in-place backend passed with 256 on the H100), the rest stays
     # unbacked; None backs all of it, at about twice the driver time a mapped page (bench/README.md).

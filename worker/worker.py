@@ -61,7 +61,7 @@ class WorkerConfig:
     scratch_slot: int | None = None  # the graphs' padding slot (the scheduler holds it in its ledger)
     swap: bool = False
     deferred_reclamation: bool = True  # a virtual cache's freed slots keep their pages (the ledger does the same)
-    zero_unmapped: bool = True  # a virtual cache maps a read-only zero page over its unmapped space
+    zero_unmapped: bool = False  # a virtual cache maps a read-only zero page over its unmapped space
     kv_guard_tokens: int | None = None  # ... only over this many tokens past each slot's pages (None: all of it)
     seed: int = 0
     progress: bool = False
