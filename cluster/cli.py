@@ -55,6 +55,9 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--kv-memory-fraction", type=float,
                       help=f"instead: this share of each worker's device memory left free by its weights (default on a "
                            f"GPU: {GPU_KV_FRACTION})")
+    size.add_argument("--gpu-memory-utilization", type=float,
+                      help="instead (vLLM's flag): the share of each GPU's whole memory the engine may use; the KV pool "
+                           "takes what the weights leave of it")
     parser.add_argument("--page-size", type=_size, default=2 << 20, help="KV page of the virtual layouts")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens a step computes at most")
@@ -74,8 +77,11 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def kv_size(args: argparse.Namespace, device: str) -> dict:
-    """The KV pool's size as given: a fixed ``kv_memory`` or a fraction; neither: on a GPU ``GPU_KV_FRACTION`` of
-    what the weights leave (as the chart), on CPU the engine's default."""
+    """The KV pool's size as given: a fixed ``kv_memory``, a fraction of what the weights leave, or vLLM's
+    ``gpu_memory_utilization``; none: on a GPU ``GPU_KV_FRACTION`` of what the weights leave (as the chart), on CPU
+    the engine's default."""
+    if args.gpu_memory_utilization is not None:
+        return {"gpu_memory_utilization": args.gpu_memory_utilization}
     if args.kv_memory is None and args.kv_memory_fraction is None:
         return {"kv_memory_fraction": GPU_KV_FRACTION} if device == "cuda" else {}
     fixed = {"kv_memory": args.kv_memory} if args.kv_memory is not None else {}

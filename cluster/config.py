@@ -34,7 +34,9 @@ class EngineConfig:
     """How to build an engine. ``kv_memory`` is the physical KV pool of each worker (each GPU), in bytes;
     ``kv_memory_fraction``, when set, sizes it instead: that share of the memory free on each worker's device
     once its weights have loaded (on CPU, of the host's available memory split between the workers), the
-    tightest worker's count for all, and never more than every slot full would map.
+    tightest worker's count for all, and never more than every slot full would map. ``gpu_memory_utilization``
+    (vLLM's option) sizes it instead as the share of each GPU's whole memory the engine may use: the pool takes
+    what is free beyond ``1 - gpu_memory_utilization`` of it once the weights are in.
     ``distributed="ray"`` runs a scheduler actor and one worker actor per (pp stage, tp rank)."""
 
     model: str = "tiny"
@@ -47,6 +49,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_memory: int = 1 << 30
     kv_memory_fraction: float | None = None
+    gpu_memory_utilization: float | None = None
     page_size: int = 2 << 20
     map_ahead: bool = True  # map the next step's pages while this one runs (False: in the step; for measurement)
     deferred_reclamation: bool = True  # freed slots keep their pages mapped for the next request (virtual layouts)
@@ -104,7 +107,9 @@ class EnginePlan:
         fits = _pages_within(self.workers, budgets)
         if min(fits) <= 0:
             w = fits.index(min(fits))
-            raise ValueError(f"kv_memory_fraction={self.config.kv_memory_fraction} leaves {budgets[w]} bytes of KV memory "
+            share = (f"gpu_memory_utilization={self.config.gpu_memory_utilization}" if self.config.kv_memory_fraction is None
+                     else f"kv_memory_fraction={self.config.kv_memory_fraction}")
+            raise ValueError(f"{share} leaves {budgets[w]} bytes of KV memory "
                              f"on the tightest worker: no KV page of {_slot_page_bytes(self.workers[w])} bytes fits")
         return self.with_pages(min(min(fits), full))
 
@@ -275,9 +280,16 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     dtype = DTYPES[dtype_name]
     specs = [KVCacheSpec(layers if layout == "mega" else len(r), model.num_kv_heads // tp, model.head_dim, dtype,
                          slots, max_model_len, layout, page) for r in ranges]
-    fraction = config.kv_memory_fraction
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1):
-        raise ValueError(f"kv_memory_fraction must be a number in (0, 1], got {fraction!r}")
+    for name in ("kv_memory_fraction", "gpu_memory_utilization"):
+        share = getattr(config, name)
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise ValueError(f"{name} must be a number in (0, 1], got {share!r}")
+    if config.gpu_memory_utilization is not None and config.kv_memory_fraction is not None:
+        raise ValueError(f"set kv_memory_fraction ({config.kv_memory_fraction}) or gpu_memory_utilization "
+                         f"({config.gpu_memory_utilization}), not both")
+    if config.gpu_memory_utilization is not None and device != "cuda":
+        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} sizes the KV pool by GPU memory; "
+                         f"device is {device!r} (set kv_memory or kv_memory_fraction)")
     workers = tuple(
         WorkerConfig(config.model, dtype, device, specs[p], None, attention, ranges[p], p, t, tp,
                      config.max_num_seqs if graphs else 0, 0 if graphs else None, swap=config.preemption_mode == "swap",
@@ -290,7 +302,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]
     unsized = EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, 0,
                          overlap)
-    if fraction is not None:
+    if config.kv_memory_fraction is not None or config.gpu_memory_utilization is not None:
         return unsized  # the executor sizes it once the workers' weights are in (``EnginePlan.sized``)
     pages = min(_pages_within(workers, [config.kv_memory] * len(workers)))
     if pages <= 0:

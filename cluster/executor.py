@@ -52,7 +52,8 @@ class LocalExecutor:
         self.worker = Worker(plan.workers[0], model)
         try:
             if not plan.is_sized:
-                plan = plan.sized([self.worker.kv_memory_available(plan.config.kv_memory_fraction, 1)])
+                share = plan.config
+                plan = plan.sized([self.worker.kv_memory_available(share.kv_memory_fraction, 1, share.gpu_memory_utilization)])
                 self.worker.allocate(plan.workers[0].pool_bytes)
         except BaseException:
             self.worker.close()

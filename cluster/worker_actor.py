@@ -44,8 +44,8 @@ class WorkerActor:
         # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
         self._hidden_device = torch.device("cuda", 0) if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
 
-    def kv_memory_available(self, fraction: float, sharers: int) -> int:
-        return self.worker.kv_memory_available(fraction, sharers)
+    def kv_memory_available(self, fraction: float | None, sharers: int, utilization: float | None = None) -> int:
+        return self.worker.kv_memory_available(fraction, sharers, utilization)
 
     def allocate(self, pool_bytes: int) -> None:
         self.worker.allocate(pool_bytes)

@@ -11,6 +11,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import LoggingConfig
 
 from cluster.config import EngineConfig
 from cluster.config import model_config as model_config_of
@@ -29,6 +30,12 @@ class AppConfig:
     settings: ServerSettings = field(default_factory=ServerSettings)
     num_replicas: int = 1
     ingress_replicas: int = 1
+    log_level: str = "info"  # the replicas' (vLLM's --uvicorn-log-level): access lines at info and below
+
+    def logging(self) -> LoggingConfig:
+        """What Serve's replicas log: ``trace`` is uvicorn's name for more than debug, which Python's logging lacks."""
+        return LoggingConfig(log_level="DEBUG" if self.log_level == "trace" else self.log_level.upper(),
+                             enable_access_log=self.log_level in ("info", "debug", "trace"))
 
     @property
     def served_name(self) -> str:
@@ -63,12 +70,13 @@ def build_app(config: AppConfig) -> Application:
     engine = serve.deployment(EngineServer, name="VattnEngine", num_replicas=config.num_replicas,
                               ray_actor_options={"num_cpus": 1}, placement_group_bundles=bundles,
                               placement_group_strategy=e.placement_strategy, max_ongoing_requests=100_000,
+                              logging_config=config.logging(),
                               request_router_config=RequestRouterConfig(request_router_class=KVAwareRouter,
                                                                         request_routing_stats_period_s=STATS_PERIOD_S))
     if not isinstance(config.ingress_replicas, int) or config.ingress_replicas < 1:
         raise ValueError(f"ingress_replicas must be an int >= 1, got {config.ingress_replicas!r}")
     ingress = serve.deployment(OpenAIIngress, name="VattnIngress", num_replicas=config.ingress_replicas,
-                               max_ongoing_requests=100_000)
+                               max_ongoing_requests=100_000, logging_config=config.logging())
     return ingress.bind(engine.bind(replace(e, device=device), config.served_name), config.settings, config.num_replicas)
 
 
@@ -78,4 +86,5 @@ def app_builder(args: dict | ServeArgs) -> Application:
     a = ServeArgs.parse(args)
     engine = a.engine()
     model_config_of(engine.model)  # a missing model directory fails here, not in a replica
-    return build_app(AppConfig(engine, a.served_model_name, a.settings(), a.num_replicas, a.ingress_replicas))
+    return build_app(AppConfig(engine, a.served_model_name, a.settings(), a.num_replicas, a.ingress_replicas,
+                               a.uvicorn_log_level))

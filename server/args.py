@@ -29,6 +29,7 @@ class ServeArgs(BaseModel):
     attention: str | None = None
     kv_memory: int = 1 << 30
     kv_memory_fraction: float | None = Field(None, gt=0, le=1)  # instead of kv_memory: see EngineConfig
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)  # or this (vLLM's): see EngineConfig
     page_size: int = 2 << 20
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -48,6 +49,7 @@ class ServeArgs(BaseModel):
     max_pending: int = Field(1024, ge=1)
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None  # reads tool_choice "auto" answers (vLLM's flag)
     seed: int = 0  # random weights (dummy load), and the seeds of requests that bring none (vLLM's --seed)
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"  # replicas' logs
 
     @classmethod
     def parse(cls, args: "dict | ServeArgs") -> "ServeArgs":
@@ -59,8 +61,11 @@ class ServeArgs(BaseModel):
 
     @model_validator(mode="after")
     def _one_kv_size(self) -> "ServeArgs":
-        if self.kv_memory_fraction is not None and "kv_memory" in self.model_fields_set:
-            raise ValueError(f"set kv_memory ({self.kv_memory} bytes) or kv_memory_fraction ({self.kv_memory_fraction}), not both")
+        given = [f"{name} ({getattr(self, name)}{' bytes' if name == 'kv_memory' else ''})"
+                 for name in ("kv_memory", "kv_memory_fraction", "gpu_memory_utilization")
+                 if name in self.model_fields_set and getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"set {' or '.join(given)}, not {'both' if len(given) == 2 else 'all'}")
         return self
 
     @field_validator("kv_memory", "page_size", "max_body", mode="before")
@@ -72,7 +77,8 @@ class ServeArgs(BaseModel):
         return EngineConfig(
             model=self.model, kv_layout=self.kv_layout, attention=self.attention, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            kv_memory=self.kv_memory, kv_memory_fraction=self.kv_memory_fraction, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True, load_format=self.load_format,
+            kv_memory=self.kv_memory, kv_memory_fraction=self.kv_memory_fraction,
+            gpu_memory_utilization=self.gpu_memory_utilization, page_size=self.page_size, dtype=self.dtype, device=self.device, progress=True, load_format=self.load_format,
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             distributed="ray", placement_strategy=self.placement_strategy, enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=False if self.enforce_eager else None, seed=self.seed, tokenizer=self.tokenizer,

@@ -91,12 +91,15 @@ class Worker:
         self._device = 0.0  # device time of the steps finished (CUDA)
         self._in_flight: PendingOutput | None = None  # launched, its result not read yet
 
-    def kv_memory_available(self, fraction: float, sharers: int) -> int:
+    def kv_memory_available(self, fraction: float | None, sharers: int, utilization: float | None = None) -> int:
         """Bytes of KV memory this worker could take: ``fraction`` of what its device has free now that its
-        weights are in. On CPU the host's available memory is split between the ``sharers`` workers."""
+        weights are in, or with ``utilization`` (a GPU's) what is free beyond ``1 - utilization`` of its whole
+        memory. On CPU the host's available memory is split between the ``sharers`` workers."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # blocks the loader freed are free, though torch's allocator still holds them
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            if utilization is not None:
+                return max(0, int(free - (1 - utilization) * total))
         else:
             import psutil  # only CPU workers ask the host
 

@@ -622,6 +622,11 @@ def test_a_zero_page_everywhere_only_as_a_guard_or_none_gives_the_same_tokens():
     (dict(zero_unmapped=1), "zero_unmapped must be a bool, got 1"),
     (dict(kv_guard_tokens=0), "kv_guard_tokens must be None or an int >= 1, got 0"),
     (dict(kv_guard_tokens=True), "kv_guard_tokens must be None or an int >= 1, got True"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be a number in (0, 1], got 1.5"),
+    (dict(gpu_memory_utilization=0.8, kv_memory_fraction=0.5),
+     "set kv_memory_fraction (0.5) or gpu_memory_utilization (0.8), not both"),
+    (dict(gpu_memory_utilization=0.8), "gpu_memory_utilization=0.8 sizes the KV pool by GPU memory; device is 'cpu' "
+                                       "(set kv_memory or kv_memory_fraction)"),
 ])
 def test_bad_paging_options_are_refused_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -73,6 +73,21 @@ def test_a_kv_memory_fraction_takes_that_share_of_what_the_weights_leave():
         assert llm.cache.stats().slots_in_use == 0
 
 
+def test_gpu_memory_utilization_leaves_the_rest_of_the_gpu_free():
+    """vLLM's sizing: the engine may use that share of the GPU's whole memory, and the KV pool takes what the
+    weights leave of it (not written to run on CPU: it has no GPU to share)."""
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    import torch
+
+    with LLM("yi-6b", gpu_memory_utilization=0.5, device="cuda", max_num_seqs=256, max_model_len=4096,
+             cuda_graphs=False) as llm:
+        free, total = torch.cuda.mem_get_info()
+        assert 0.4 < free / total < 0.52, (free, total)  # half left, less what the runner took after the pool
+        out = llm.generate([[1, 2, 3, 4]] * 8, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+
+
 @pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn_paged"),
                                                   ("mega", "flashinfer"), ("paged", "flashinfer_paged")])
 def test_async_scheduling_on_the_gpu_gives_the_sync_engines_outputs(hf_llama128, layout, attention):

@@ -132,3 +132,21 @@ def test_vllm_spellings_of_the_engine_options_and_the_gpu_default_pool():
     assert kv_size(sized, "cuda") == {"kv_memory": 2 << 30, "kv_memory_fraction": None}
     eager = engine_config(_parser().parse_args(["generate", "--prompt", "a", "--enforce-eager"]), "cuda")
     assert eager["cuda_graphs"] is False and eager["kv_memory_fraction"] == 0.9
+
+
+def test_gpu_memory_utilization_is_vllms_flag_for_the_pool_and_takes_no_other_size():
+    from server.cli import _parser
+
+    args = _parser().parse_args(["serve", "--gpu-memory-utilization", "0.8"])
+    assert kv_size(args, "cuda") == {"gpu_memory_utilization": 0.8}
+    assert engine_config(args, "cuda")["gpu_memory_utilization"] == 0.8
+    with pytest.raises(SystemExit):  # argparse: one size option at most
+        _parser().parse_args(["serve", "--gpu-memory-utilization", "0.8", "--kv-memory", "2GiB"])
+
+
+def test_uvicorn_log_level_is_vllms_flag():
+    from server.cli import _parser
+
+    assert _parser().parse_args(["serve", "--uvicorn-log-level", "warning"]).uvicorn_log_level == "warning"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--uvicorn-log-level", "loud"])

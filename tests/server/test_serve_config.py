@@ -38,6 +38,9 @@ def test_the_config_file_starts_a_serving_app():
     ({"model": "/nowhere"}, "model '/nowhere' is neither a preset"),
     ({"kv_memory_fraction": 1.2}, "kv_memory_fraction: Input should be less than or equal to 1"),
     ({"kv_memory": "2GiB", "kv_memory_fraction": 0.9}, r"set kv_memory \(2147483648 bytes\) or kv_memory_fraction \(0.9\), not both"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization: Input should be greater than 0"),
+    ({"kv_memory": "2GiB", "kv_memory_fraction": 0.5, "gpu_memory_utilization": 0.8},
+     r"set kv_memory \(2147483648 bytes\) or kv_memory_fraction \(0.5\) or gpu_memory_utilization \(0.8\), not all"),
 ])
 def test_bad_args_are_refused_naming_the_field(args, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
@@ -54,3 +57,15 @@ def test_several_api_keys_come_as_a_list_comma_separated_or_from_the_environment
     assert ServeArgs.parse({"api_key": "own"}).settings().api_keys == ("own",)  # given beats the environment
     monkeypatch.delenv("VATTN_API_KEY")
     assert ServeArgs.parse({}).settings().api_keys == ()  # open
+
+
+@pytest.mark.parametrize(("level", "serve_level", "access"), [("warning", "WARNING", False), ("info", "INFO", True),
+                                                              ("trace", "DEBUG", True)])
+def test_uvicorn_log_level_sets_what_both_deployments_log(level, serve_level, access):
+    """vLLM's --uvicorn-log-level: Serve's replicas (the HTTP front and the engine) log at that level, and write
+    access lines only at info and below."""
+    ingress = app_builder({"uvicorn_log_level": level, "device": "cpu"})._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    for deployment in (ingress, engine):
+        logging = deployment._deployment_config.logging_config
+        assert (logging["log_level"], logging["enable_access_log"]) == (serve_level, access), deployment.name
