@@ -144,6 +144,8 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         if outside := [t for t, _ in params.logit_bias if t >= vocab]:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {outside[:8]}")
+        if outside := [t for t in params.allowed_token_ids if t >= vocab]:
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab}), got {outside[:8]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the maximum context is {self.max_model_len}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)

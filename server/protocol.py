@@ -71,6 +71,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="vLLM's: token ids that end the output")
     include_stop_str_in_output: bool = Field(False, description="vLLM's: keep the stop string that ended the text")
     bad_words: list[str] | None = Field(None, description="vLLM's: words the output must not contain")
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="vLLM's: only these token ids may be drawn")
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="token id -> bias in [-100, 100], added to that token's logit (OpenAI's)")
     n: int = Field(1, ge=1)
@@ -122,6 +124,7 @@ class SamplingRequest(BaseModel):
                               top_k=max(0, self.top_k), min_p=self.min_p, logit_bias=self.logit_bias or (),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, bad_words=self.bad_words or (),
+                              allowed_token_ids=self.allowed_token_ids or (),
                               min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or (),
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               seed=self.seed, n=self.n, stop=self.stops, ignore_eos=self.ignore_eos,

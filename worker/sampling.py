@@ -80,6 +80,7 @@ class SamplingParams:
     # vLLM's: words the output must not contain (each as written and after a space); a word of several tokens bans its
     # last one where the output ends in the others.
     bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be drawn (empty: any)
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
 
     def __post_init__(self) -> None:
@@ -93,6 +94,11 @@ class SamplingParams:
         ):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
+        ):
+            raise ValueError(f"allowed_token_ids must be a list of token ids (ints >= 0), got {self.allowed_token_ids!r}")
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
         if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
@@ -191,24 +197,33 @@ def processed_logits(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingPar
     """``logits`` ``[rows, vocab]`` as the draw sees them. ``rows``: ``(row, params, made)`` of the rows whose params
     ask for it (``needs_processing``; ``made``: the tokens its sequence made before this one): their ``logit_bias``
     added, and their EOS (unless they ignore EOS) and ``stop_token_ids`` at -inf while they have made fewer than
-    ``min_tokens``; ``banned``: ``(row, token ids)`` at -inf (bad words). One scatter for the batch, its indices built
-    on the host; the same tensor where nothing applies."""
+    ``min_tokens``, and every token but their ``allowed_token_ids`` at -inf; ``banned``: ``(row, token ids)`` at -inf
+    (bad words). One scatter for the batch, its indices built on the host, and one masked add for the rows with
+    allowed tokens; the same tensor where nothing applies."""
     entries = [(row, token, float("-inf")) for row, ids in banned for token in ids if token < logits.shape[-1]]
     for row, p, made in rows:
         entries += [(row, token, bias) for token, bias in p.logit_bias]
         if made < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             entries += [(row, token, float("-inf")) for token in sorted(banned) if token < logits.shape[-1]]
-    if not entries:
-        return logits
-    index = to_device(torch.tensor([[r, t] for r, t, _ in entries], dtype=torch.int64), logits.device)
-    values = to_device(torch.tensor([b for _, _, b in entries], dtype=logits.dtype), logits.device)
-    return logits.index_put((index[:, 0], index[:, 1]), values, accumulate=True)
+    if entries:
+        index = to_device(torch.tensor([[r, t] for r, t, _ in entries], dtype=torch.int64), logits.device)
+        values = to_device(torch.tensor([b for _, _, b in entries], dtype=logits.dtype), logits.device)
+        logits = logits.index_put((index[:, 0], index[:, 1]), values, accumulate=True)
+    only = [(row, p.allowed_token_ids) for row, p, _ in rows if p.allowed_token_ids]
+    if only:
+        # -inf over each such row, 0 at its allowed ids, added: what was -inf (a bias, a ban) stays so.
+        keep = torch.tensor([[i, t] for i, (_, ids) in enumerate(only) for t in ids if t < logits.shape[-1]], dtype=torch.int64)
+        mask = torch.full((len(only), logits.shape[-1]), float("-inf"), dtype=logits.dtype)
+        mask[keep[:, 0], keep[:, 1]] = 0
+        rows_of = to_device(torch.tensor([row for row, _ in only], dtype=torch.int64), logits.device)
+        logits = logits.index_add(0, rows_of, to_device(mask, logits.device))
+    return logits
 
 
 def needs_processing(params: SamplingParams, made: int) -> bool:
     """Whether ``processed_logits`` changes a row with these params whose sequence made ``made`` tokens."""
-    return bool(params.logit_bias) or made < params.min_tokens
+    return bool(params.logit_bias or params.allowed_token_ids) or made < params.min_tokens
 
 
 def grammar_masked(logits: torch.Tensor, rows: Sequence[tuple[int, bytes]]) -> torch.Tensor:

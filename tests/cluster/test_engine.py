@@ -108,6 +108,18 @@ def test_logit_bias_steers_greedy_and_sampled_rows_and_their_logprobs_stay_the_m
         llm.generate("abc", replace(greedy, logit_bias={10**7: 1.0}))
 
 
+def test_allowed_token_ids_are_all_a_row_draws_and_leave_the_others_alone(llm):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = run(llm, "abc", greedy).outputs[0]
+    allowed = sorted({7, 9, 11} - {plain.token_ids[0]})
+    for params in (replace(greedy, allowed_token_ids=allowed), SamplingParams(max_tokens=12, temperature=1.0, seed=4,
+                                                                             ignore_eos=True, allowed_token_ids=allowed)):
+        outs = llm.generate(["abc", "abc"], [params, greedy])
+        assert set(outs[0].outputs[0].token_ids) <= set(allowed) and outs[1].outputs[0].token_ids == plain.token_ids
+    with pytest.raises(ValueError, match=re.escape("allowed_token_ids must be in [0, ")):
+        llm.generate("abc", replace(greedy, allowed_token_ids=[10**7]))
+
+
 def test_min_tokens_holds_back_eos_and_stop_token_ids(llm):
     eos = llm.tokenizer.eos_token_ids[0]
     wants_eos = SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100})

@@ -105,6 +105,19 @@ def test_logit_bias_min_p_min_tokens_and_stop_token_ids_reach_the_sampler(client
     assert kept.choices[0].text == whole[: whole.index(needle) + 1]
 
 
+def test_allowed_token_ids_reach_the_sampler(client, local):
+    """vLLM's ``allowed_token_ids``: the output holds only those tokens, as the engine gives them; ids outside the
+    vocabulary are a 400 naming the field."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, allowed_token_ids=[7, 9, 11])
+    want = local.generate("abc", params)[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "allowed_token_ids": [7, 9, 11]})
+    assert got.choices[0].text == want.text and set(want.token_ids) <= {7, 9, 11}
+    for bad, field in (([10**7], "allowed_token_ids must be in [0, "), ([], "allowed_token_ids")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(field)):
+            client.completions.create(model="tiny", prompt="abc", max_tokens=4, extra_body={"allowed_token_ids": bad})
+
+
 def test_penalties_reach_the_sampler(client, local):
     """OpenAI's presence and frequency penalties and vLLM's repetition penalty give the tokens the engine gives for
     them, in completions and chat, whole and streamed; they change the greedy answer."""

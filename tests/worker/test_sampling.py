@@ -91,8 +91,19 @@ def test_min_tokens_bans_eos_and_stop_token_ids_until_a_row_has_made_that_many()
     assert out.tolist() == [[0, inf, 0, inf, inf], [0] * 5, [0] * 5, [0] * 5]  # made 1 of 2; made 2; ignores EOS
 
 
+def test_allowed_token_ids_leave_only_those_tokens_to_their_rows():
+    inf = float("-inf")
+    params = [SamplingParams(allowed_token_ids=[3, 1, 3]), SamplingParams(),
+              SamplingParams(allowed_token_ids=[0, 4], logit_bias={4: 2.0, 2: 1.0})]
+    asks = [(row, p, 0) for row, p in enumerate(params) if needs_processing(p, 0)]
+    out = processed_logits(torch.zeros(3, 5), asks, (3,))
+    assert params[0].allowed_token_ids == (1, 3) and [row for row, _, _ in asks] == [0, 2]
+    assert out.tolist() == [[inf, 0, inf, 0, inf], [0] * 5, [0, inf, inf, inf, 2.0]]
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(min_p=1.5), "min_p must be in [0, 1] (0 turns it off), got 1.5"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids must be a list of token ids (ints >= 0), got [-1]"),
     (dict(min_tokens=20, max_tokens=16), "min_tokens must be an int in [0, max_tokens=16], got 20"),
     (dict(logit_bias={3: 101}), "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got 3: 101.0"),
     (dict(logit_bias={-1: 1}), "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got -1: 1.0"),
