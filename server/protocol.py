@@ -349,11 +349,18 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in a call's first delta only
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
 class ToolCallDelta(BaseModel):
+    """A piece of tool call ``index`` (OpenAI's streamed shape): its first piece has its id, type and name."""
+
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class Delta(BaseModel):

@@ -11,7 +11,7 @@ from server import protocol as p
 from server.errors import APIError
 from server.serving import OpenAIServing
 from server.text import chat_logprobs
-from server.tool_calls import PARSERS, ToolCall, forced_calls
+from server.tool_calls import PARSERS, CallPiece, CallStream, ToolCall, forced_calls
 
 
 class ServingChat(OpenAIServing):
@@ -47,13 +47,13 @@ class ServingChat(OpenAIServing):
         return text, []
 
     def _holds(self, body: p.ChatCompletionRequest) -> bool:
-        """Whether streamed text may be a tool call, held back until the answer ends."""
+        """Whether streamed text may be a tool call, held back from the content (``CallStream``)."""
         return body.forced_tool is not None or bool(body.tools and body.tool_choice != "none")
 
     async def _stream(self, items, rid: str, body: p.ChatCompletionRequest):
         final = None
         holds = self._holds(body)
-        parser = PARSERS[self.settings.tool_call_parser]() if holds and body.forced_tool is None else None
+        calls: dict[int, CallStream] = {}  # choice -> its tool calls so far
         sent: dict[int, int] = {}  # choice -> characters of its text sent as content
         yield self.event(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[
             p.ChatChunkChoice(index=k, delta=p.Delta(role="assistant", content="")) for k in range(body.n)]))
@@ -63,19 +63,20 @@ class ServingChat(OpenAIServing):
                 break
             final = out if out.finished else final
             delta, finish = p.Delta(content=text or None), c.finish_reason
-            if holds:  # content only up to where a call may start; the calls once the answer is whole
-                whole = c.text
+            if holds:  # content only up to where a call may start; each call's pieces as they come
+                whole, done = c.text, sent.get(c.index, 0)
+                stream = calls.setdefault(c.index, CallStream(body.forced_tool, None if body.forced_tool else
+                                                              PARSERS[self.settings.tool_call_parser]()))
+                pieces = [_piece(piece) for piece in stream.pieces(whole, finish is not None)] or None
                 if finish is None:
-                    upto = 0 if parser is None else parser.held_from(whole)
-                    delta = p.Delta(content=whole[sent.get(c.index, 0) : upto] or None)
-                    sent[c.index] = max(sent.get(c.index, 0), upto)
-                else:
-                    content, calls = self._calls(body, whole, finish)
-                    rest = _unsent(content or "", whole[: sent.get(c.index, 0)]) if not calls or content else ""
-                    delta = p.Delta(content=rest or None, tool_calls=[
-                        p.ToolCallDelta(index=k, id=t.id, function=p.FunctionCall(name=t.name, arguments=t.arguments))
-                        for k, t in enumerate(calls)] or None)
-                    finish = "tool_calls" if calls else finish
+                    upto = stream.content(whole)
+                    delta = p.Delta(content=whole[done:upto] or None, tool_calls=pieces)
+                    sent[c.index] = max(done, upto)
+                else:  # the rest of the content, as the whole answer's parse gives it
+                    content = None if body.forced_tool and stream.calls else self._calls(body, whole, finish)[0]
+                    delta = p.Delta(content=_unsent(content or "", whole[:done]) or None, tool_calls=pieces)
+                    # as whole: a grammar-forced call cut short is none, a parsed one stands
+                    finish = "tool_calls" if stream.calls and (finish == "stop" or not body.forced_tool) else finish
             choice = p.ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish,
                                        logprobs=chat_logprobs(entries, c.token_texts or {}) if body.logprobs else None)
             yield self.event(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice]))
@@ -84,6 +85,13 @@ class ServingChat(OpenAIServing):
                 yield self.event(p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[],
                                                        usage=self.usage([final])))
         yield "data: [DONE]\n\n"
+
+
+def _piece(piece: CallPiece) -> p.ToolCallDelta:
+    if piece.call is None:
+        return p.ToolCallDelta(index=piece.index, function=p.FunctionCallDelta(arguments=piece.arguments))
+    return p.ToolCallDelta(index=piece.index, id=piece.call.id, type="function",
+                           function=p.FunctionCallDelta(name=piece.call.name, arguments=piece.arguments))
 
 
 def _message(call: ToolCall) -> p.ToolCallMessage:

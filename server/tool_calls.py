@@ -47,7 +47,7 @@ def forced_calls(text: str, choice: str) -> list[ToolCall]:
     except json.JSONDecodeError:
         return []
     if choice != "required":
-        return [ToolCall(choice, json.dumps(value))]
+        return [ToolCall(choice, text.strip())]  # as streamed: the grammar wrote compact JSON
     return [ToolCall(c["name"], json.dumps(c["parameters"])) for c in value]
 
 
@@ -102,3 +102,72 @@ class Llama3JsonParser:
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+@dataclass(frozen=True)
+class CallPiece:
+    """A piece of streamed tool call ``index``: ``call`` (its id and name) with its first piece only."""
+
+    index: int
+    arguments: str
+    call: ToolCall | None = None
+
+
+class CallStream:
+    """One streamed choice's tool calls as the text grows, in OpenAI's pieces: a named function's arguments as the
+    grammar writes them; ``required``'s calls each once its array element is complete; a parser's (``auto``) each
+    once its block is (``HermesParser``), or at the end (``Llama3JsonParser``). ``content`` says how much of the text
+    may go out as content meanwhile."""
+
+    def __init__(self, forced: str | None, parser: HermesParser | Llama3JsonParser | None):
+        self.forced, self.parser = forced, parser
+        self.calls: list[ToolCall] = []  # those begun
+        self._sent = 0  # characters of a named function's arguments sent
+
+    def content(self, text: str) -> int:
+        """Characters of ``text`` that are content whatever follows (none under a grammar-forced call)."""
+        return 0 if self.parser is None else self.parser.held_from(text)
+
+    def pieces(self, text: str, finished: bool) -> list[CallPiece]:
+        """What ``text`` adds to the calls sent so far."""
+        if self.forced not in (None, "required"):
+            piece, self._sent = text[self._sent:], len(text)
+            if not self.calls:
+                self.calls.append(ToolCall(self.forced, ""))
+                return [CallPiece(0, piece, self.calls[0])]
+            return [CallPiece(0, piece)] if piece else []
+        if self.forced == "required":
+            found = [ToolCall(e["name"], json.dumps(e["parameters"])) for e in _complete_elements(text)]
+        elif isinstance(self.parser, HermesParser) or finished:
+            found = self.parser.parse(text)[1]
+        else:
+            found = []
+        new = found[len(self.calls):]
+        self.calls += new
+        return [CallPiece(len(self.calls) - len(new) + k, c.arguments, c) for k, c in enumerate(new)]
+
+
+def _complete_elements(text: str) -> list:
+    """The values of a JSON array's elements that ``text`` (the array, maybe cut short) holds whole."""
+    depth, in_string, escaped, start, done = 0, False, False, None, []
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth == 2:
+                start = i
+        elif ch in "]}":
+            depth -= 1
+            if depth == 1 and start is not None:
+                done.append(json.loads(text[start:i + 1]))
+                start = None
+    return done

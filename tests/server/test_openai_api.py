@@ -210,9 +210,27 @@ def test_tool_choice_required_and_named_always_give_well_formed_calls_whole_and_
     stream = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice=named,
                                             max_tokens=100, temperature=1.0, seed=1, stream=True)
     deltas = [c.choices[0] for c in stream if c.choices]
-    calls = [t for d in deltas for t in d.delta.tool_calls or ()]
-    assert [(t.function.name, t.function.arguments) for t in calls] == [(call.function.name, call.function.arguments)]
-    assert deltas[-1].finish_reason == "tool_calls"
+    pieces = [t for d in deltas for t in d.delta.tool_calls or ()]
+    # The arguments come piece by piece as the model writes them; the first piece names the call.
+    assert len(pieces) > 2 and {t.index for t in pieces} == {0} and pieces[0].id.startswith("call_")
+    assert [t.function.name for t in pieces] == ["get_time"] + [None] * (len(pieces) - 1)
+    assert "".join(t.function.arguments for t in pieces) == call.function.arguments
+    assert deltas[-1].finish_reason == "tool_calls" and not any(d.delta.content for d in deltas)
+    streamed = _streamed_calls(client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200, temperature=1.0,
+        seed=1, stream=True, parallel_tool_calls=False))
+    whole = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice="required",
+                                           max_tokens=200, temperature=1.0, seed=1, parallel_tool_calls=False)
+    assert streamed == [(t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls]
+
+
+def _streamed_calls(stream) -> list[tuple[str, str]]:
+    """(name, arguments) of each call in a chat stream, its pieces put together."""
+    calls: dict[int, list] = {}
+    for chunk in stream:
+        for t in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+            calls.setdefault(t.index, [t.function.name, ""])[1] += t.function.arguments
+    return [tuple(c) for _, c in sorted(calls.items())]
 
 
 def test_a_tool_round_trip_through_the_sdk(client):

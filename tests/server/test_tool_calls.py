@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from server.tool_calls import HermesParser, Llama3JsonParser, forced_calls
+from server.tool_calls import CallStream, HermesParser, Llama3JsonParser, _complete_elements, forced_calls
 
 
 def test_hermes_finds_every_block_and_keeps_the_text_around_them():
@@ -33,3 +33,35 @@ def test_forced_calls_read_a_named_functions_arguments_or_requireds_array():
     calls = forced_calls('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"y": 2}}]', "required")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {}), ("b", {"y": 2})]
     assert forced_calls('[{"name": "a", "param', "required") == []
+
+
+def grow(stream: CallStream, text: str, step: int = 3) -> list[list]:
+    """Feed ``text`` a few characters at a time, then whole and finished: the pieces each time."""
+    cuts = [*range(step, len(text), step), len(text)]
+    return [stream.pieces(text[:k], False) for k in cuts[:-1]] + [stream.pieces(text, True)]
+
+
+def test_a_named_functions_arguments_stream_as_they_are_written():
+    text = '{"zone":"UTC","x":[1,2]}'
+    pieces = [p for step in grow(CallStream("get_time", None), text) for p in step]
+    assert pieces[0].call.name == "get_time" and all(p.call is None for p in pieces[1:]) and {p.index for p in pieces} == {0}
+    assert "".join(p.arguments for p in pieces) == text
+
+
+def test_requireds_calls_stream_each_once_its_element_is_whole():
+    text = '[{"name":"a","parameters":{"s":"]}\\"x"}},{"name":"b","parameters":{}}]'
+    steps = grow(CallStream("required", None), text, step=1)
+    got = [(k, p.index, p.call.name, json.loads(p.arguments)) for k, step in enumerate(steps) for p in step]
+    first_done = text.index("}},") + 2  # the first element ends here: its call goes out with that character
+    assert got == [(first_done - 1, 0, "a", {"s": ']}"x'}), (len(text) - 2, 1, "b", {})]
+    assert _complete_elements('[{"a":"[{"},{"b') == [{"a": "[{"}]
+
+
+def test_parsers_calls_stream_per_block_or_at_the_end():
+    hermes = 'ok <tool_call>{"name": "a", "arguments": {}}</tool_call> <tool_call>{"name": "b", "arguments": {"y": 2}'
+    stream = CallStream(None, HermesParser())
+    assert [p.call.name for p in stream.pieces(hermes, False)] == ["a"] and stream.content(hermes) == 3
+    assert [p.call.name for p in stream.pieces(hermes + "}</tool_call>", True)] == ["b"]
+    llama = '{"name": "a", "parameters": {"x": 1}}'
+    stream = CallStream(None, Llama3JsonParser())
+    assert stream.pieces(llama, False) == [] and [p.call.name for p in stream.pieces(llama, True)] == ["a"]

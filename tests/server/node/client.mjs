@@ -23,7 +23,11 @@ async function run({ endpoint, body }) {
       const c = chunk.choices[0];
       if (!c) continue;
       text += (endpoint === "chat" ? c.delta?.content : c.text) ?? "";
-      for (const t of c.delta?.tool_calls ?? []) calls.push([t.function.name, t.function.arguments]);
+      // A call's first piece names it; the later ones add to its arguments (OpenAI's streamed shape).
+      for (const t of c.delta?.tool_calls ?? []) {
+        if (calls[t.index] === undefined) calls[t.index] = [t.function.name, ""];
+        calls[t.index][1] += t.function.arguments ?? "";
+      }
       finish_reason = c.finish_reason ?? finish_reason;
     }
     return { text, finish_reason, tool_calls: calls };
