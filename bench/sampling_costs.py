@@ -21,7 +21,7 @@ import torch
 
 import report
 from cluster.engine import LLM
-from throughput import random_prompts
+from throughput import random_prompts, workload_options
 from worker.config import PRESETS
 from worker.sampling import SamplingParams, StructuredOutputs
 
@@ -44,11 +44,7 @@ def modes(requests: int, output: int) -> dict[str, list[SamplingParams]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-3-8b", choices=sorted(PRESETS))
-    parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--min-prompt", type=int, default=512)
-    parser.add_argument("--max-prompt", type=int, default=2048)
-    parser.add_argument("--output", type=int, default=128)
+    workload_options(parser)
     parser.add_argument("--kv-memory-gib", type=float, default=40)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

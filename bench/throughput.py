@@ -191,13 +191,18 @@ def plot(rows: list[list], floor: float, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_options(parser: argparse.ArgumentParser) -> None:
+    """W1's shape as options (defaults: W1), for the benchmarks that run it."""
     parser.add_argument("--model", default="llama-3-8b", choices=sorted(PRESETS))
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--min-prompt", type=int, default=512)
     parser.add_argument("--max-prompt", type=int, default=2048)
     parser.add_argument("--output", type=int, default=128)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    workload_options(parser)
     parser.add_argument("--layouts", nargs="+", default=["mega", "per_layer", "paged"],
                         help="KV layouts, each optionally as layout:attention (e.g. mega:flash_attn), and with @ray "
                              "for the Ray engine (needs --no-hf: its worker builds the preset's weights itself)")
