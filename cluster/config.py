@@ -56,7 +56,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # full blocks of finished and running requests' tokens are reused (vLLM's name)
     # A read-only zero page over unmapped KV space (virtual layouts): a stray read sees zeros, not a fault that loses
     # the CUDA context. Off by default: every in-place kernel reads only mapped pages (the GPU tests run them over
-    # unbacked space), and the zero page's mappings cost decode steps 4% on the H100 (docs/performance.md).
+    # unbacked space), and with it the decode-heavy workload ran 4% slower on the H100 (docs/performance.md).
     zero_unmapped: bool = False
     # With zero_unmapped (ignored without): the zero page backs only this many tokens past each slot's mapped pages (the farthest a
     # kernel's tile reads past a sequence: every in-place backend passed with 256 on the H100), the rest stays

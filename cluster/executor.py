@@ -52,8 +52,8 @@ class LocalExecutor:
         self.worker = Worker(plan.workers[0], model)
         try:
             if not plan.is_sized:
-                share = plan.config
-                plan = plan.sized([self.worker.kv_memory_available(share.kv_memory_fraction, 1, share.gpu_memory_utilization)])
+                c = plan.config
+                plan = plan.sized([self.worker.kv_memory_available(c.kv_memory_fraction, 1, c.gpu_memory_utilization)])
                 self.worker.allocate(plan.workers[0].pool_bytes)
         except BaseException:
             self.worker.close()

@@ -138,8 +138,8 @@ class RayExecutor:
         try:
             ray.get([a.setup.remote(init, rank, world, stages) for rank, a in enumerate(self._actors)])
             if not self.plan.is_sized:  # every worker's weights are in: the pools take a share of what is left
-                share = self.plan.config
-                budgets = ray.get([a.kv_memory_available.remote(share.kv_memory_fraction, world, share.gpu_memory_utilization)
+                c = self.plan.config
+                budgets = ray.get([a.kv_memory_available.remote(c.kv_memory_fraction, world, c.gpu_memory_utilization)
                                    for a in self._actors])
                 self.plan = self.plan.sized(budgets)
                 ray.get([a.allocate.remote(w.pool_bytes) for a, w in zip(self._actors, self.plan.workers, strict=True)])

@@ -213,11 +213,13 @@ def processed_logits(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingPar
     only = [(row, p.allowed_token_ids) for row, p, _ in rows if p.allowed_token_ids]
     if only:
         # -inf over each such row, 0 at its allowed ids, added: what was -inf (a bias, a ban) stays so.
-        keep = torch.tensor([[i, t] for i, (_, ids) in enumerate(only) for t in ids if t < logits.shape[-1]], dtype=torch.int64)
-        mask = torch.full((len(only), logits.shape[-1]), float("-inf"), dtype=logits.dtype)
+        # Made on the device: only the ids and rows cross, not a vocabulary-wide row each.
+        keep = to_device(torch.tensor([[i, t] for i, (_, ids) in enumerate(only) for t in ids if t < logits.shape[-1]],
+                                      dtype=torch.int64), logits.device)
+        mask = torch.full((len(only), logits.shape[-1]), float("-inf"), dtype=logits.dtype, device=logits.device)
         mask[keep[:, 0], keep[:, 1]] = 0
         rows_of = to_device(torch.tensor([row for row, _ in only], dtype=torch.int64), logits.device)
-        logits = logits.index_add(0, rows_of, to_device(mask, logits.device))
+        logits = logits.index_add(0, rows_of, mask)
     return logits
 
 
