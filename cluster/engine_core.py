@@ -30,7 +30,7 @@ from cluster.sequence import Request, Sequence, SeqStatus
 from cluster.structured import GrammarCompiler
 from cluster.telemetry import EngineSnapshot, RequestProgress, Telemetry
 from worker.messages import PLACEHOLDER, NewSeq, StepInput
-from worker.sampling import SamplingParams
+from worker.sampling import SampledToken, SamplingParams
 from worker.tokenizer import Tokenizer
 
 # Text, token ids, or vLLM's prompt dict: {"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt".
@@ -251,6 +251,8 @@ class EngineCore:
         self.num_steps += 1
         self.telemetry.record(result.reports)
         updated = self.scheduler.postprocess(step.out, result.sampled, result.logprobs)
+        if result.prompt_logprobs:
+            self._take_prompt_logprobs(step.out, result.prompt_logprobs)
         self.telemetry.record_tokens(updated, step.info.num_tokens)
         for seq in updated:
             if seq.request.grammar is not None and self._match(seq):
@@ -308,8 +310,9 @@ class EngineCore:
             seq = s.seq
             if seq.seq_id not in self._announced:
                 self._announced.add(seq.seq_id)
+                p = seq.request.params
                 history = ((tuple(seq.request.prompt_token_ids), tuple(seq.output_token_ids))
-                           if seq.request.params.penalized else ())
+                           if p.penalized or p.prompt_logprobs is not None else ())
                 new.append(NewSeq(seq.seq_id, seq.request.params, seq.request.seed, seq.sample_index, *history))
             seq_ids.append(seq.seq_id)
             slots.append(seq.slot)
@@ -403,6 +406,16 @@ class EngineCore:
         seq.texts_for = len(seq.logprobs)
         return dict(known)
 
+    @staticmethod
+    def _take_prompt_logprobs(out: SchedulerOutput, computed: dict[int, tuple[int, tuple[SampledToken, ...]]]) -> None:
+        """Add what a step computed of its requests' prompt logprobs; a prompt computed again (a preempted request)
+        adds only positions not seen yet."""
+        seqs = {s.seq.seq_id: s.seq for s in out.scheduled}
+        for seq_id, (first, entries) in computed.items():
+            held = seqs[seq_id].request.prompt_logprobs
+            if first <= len(held) + 1:
+                held.extend(entries[len(held) + 1 - first :])
+
     def _output(self, r: Request, error: str | None = None, ended: str | None = None) -> RequestOutput:
         """``r``'s output; ``error`` or ``ended`` (a finish reason) make it final even before all n samples
         exist -- the missing ones are empty completions with that reason, so a client finds all n."""
@@ -428,8 +441,9 @@ class EngineCore:
             t.finished - t.arrival if t.finished else None,
             sum(s.num_preemptions for s in r.seqs),
         )
+        prompt_logprobs = (None, *r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, tuple(completions), r.finished or reason is not None,
-                             metrics, error)
+                             metrics, error, prompt_logprobs)
 
     @staticmethod
     def refused(request: PreparedRequest, error: str) -> RequestOutput:

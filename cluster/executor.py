@@ -20,6 +20,8 @@ class StepResult:
     sampled: dict[int, tuple[int, ...]]  # seq_id -> token ids drawn
     reports: tuple[WorkerReport, ...]  # one per worker, pp-major
     logprobs: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # for the sequences that asked
+    # seq_id -> (the position of its first entry, its prompt tokens' logprobs computed this step)
+    prompt_logprobs: dict[int, tuple[int, tuple[SampledToken, ...]]] = field(default_factory=dict)
 
 
 class PendingStep(Protocol):
@@ -86,5 +88,5 @@ class LocalPending:
     def result(self) -> StepResult:
         if self._result is None:
             out = self.worker.finish(self.pending)
-            self._result = StepResult(out.sampled, (self.worker.report(),), out.logprobs)
+            self._result = StepResult(out.sampled, (self.worker.report(),), out.logprobs, out.prompt_logprobs)
         return self._result

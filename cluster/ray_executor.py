@@ -48,7 +48,7 @@ class RayPendingStep:
         except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
             raise self.executor.failure(f"step {self.step} failed", exc) from exc
         sampler = outs[self.executor.sampler]
-        return StepResult(sampler.sampled, tuple(o.report for o in outs), sampler.logprobs)
+        return StepResult(sampler.sampled, tuple(o.report for o in outs), sampler.logprobs, sampler.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,8 @@ class RayExecutor:
             except Exception as exc:  # an actor died, raised, or hung: the group's state is unknown
                 raise self.failure(f"step {sent} failed", exc) from exc
             for i, out in enumerate(outs[self.sampler]):  # every worker finished the same steps in this call
-                self._results[out.step] = StepResult(out.sampled, tuple(o[i].report for o in outs), out.logprobs)
+                self._results[out.step] = StepResult(out.sampled, tuple(o[i].report for o in outs), out.logprobs,
+                                                     out.prompt_logprobs)
         for drained in [s for s in self._results if s < 0]:
             del self._results[drained]
         return self._results.pop(step)

@@ -192,7 +192,8 @@ class Scheduler:
         A page this step computes counts too: every layer writes the step's K/V before it reads any. Unless it is the
         last one mapped and a token runs over its end: that token is computed again, and its write copies the page
         first -- before the step, when the page holds nothing yet."""
-        if self.kv.prefixes is None or seq.status is not SeqStatus.WAITING or seq.num_computed:
+        if (self.kv.prefixes is None or seq.status is not SeqStatus.WAITING or seq.num_computed
+                or seq.request.params.prompt_logprobs is not None):  # every prompt token's logits are wanted
             return []
         spec = self.kv.spec
         keys = self.kv.cached_prefix(extend_page_hashes(seq.page_hashes, seq.token_ids, spec, seq.request.cache_salt))

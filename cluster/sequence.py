@@ -38,6 +38,8 @@ class Request:
     bad_words: tuple[tuple[int, ...], ...] = ()  # ``params.bad_words`` as token ids, each way they can be written
     times: Timestamps = field(default_factory=Timestamps)
     seqs: list["Sequence"] = field(default_factory=list)
+    # ``params.prompt_logprobs``: the logprob of prompt token i + 1 given those before it, at i (as computed so far)
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -58,7 +58,7 @@ class WorkerActor:
             return self.execute_ahead(step)
         out = self.worker.execute(step, inputs)
         if self.worker.model.is_last:
-            return WorkerOutput(out.sampled, self.worker.report(), out.logprobs)
+            return WorkerOutput(out.sampled, self.worker.report(), out.logprobs, out.prompt_logprobs)
         if out.hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
             return torch.empty(0, self.worker.model.config.hidden_size, device=self._hidden_device)
         return out.hidden.to(self._hidden_device)
@@ -73,7 +73,7 @@ class WorkerActor:
         outputs = []
         for p in done:
             out = self.worker.finish(p)
-            outputs.append(WorkerOutput(out.sampled, self.worker.report(), out.logprobs, p.step))
+            outputs.append(WorkerOutput(out.sampled, self.worker.report(), out.logprobs, out.prompt_logprobs, p.step))
         return tuple(outputs)
 
     def report(self, _hidden: torch.Tensor) -> WorkerOutput:

@@ -26,7 +26,8 @@ class NewSeq:
     params: SamplingParams
     seed: int
     sample_index: int
-    # Penalized sequences only (``params.penalized``): the prompt, and the output the scheduler knew when it sent this.
+    # Penalized sequences and those asking prompt logprobs only: the prompt, and the output the scheduler knew when
+    # it sent this.
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
 
@@ -79,4 +80,5 @@ class WorkerOutput:
     sampled: dict[int, tuple[int, ...]]
     report: WorkerReport
     logprobs: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[int, tuple[SampledToken, ...]]] = field(default_factory=dict)  # StepOutput's
     step: int = -1  # the StepInput this is the result of (a worker that launches ahead answers one call late)

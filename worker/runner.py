@@ -32,6 +32,8 @@ class ScheduledChunk:
     sample_index: int = 0  # which of the request's n samples this sequence is
     allowed: bytes | None = None  # structured outputs: a bit per token id its grammar allows next (little-endian words)
     banned: tuple[int, ...] = ()  # token ids its bad words ban at this draw
+    # Prompt logprobs (``params.prompt_logprobs``): the prompt tokens that follow the chunk's first rows, one a row.
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class StepOutput:
     # seq_id -> the drawn tokens with their logprobs, for the sequences that asked. Apart from ``sampled``
     # because plain ints cross a process boundary ~10x cheaper than objects (a decode step of 128).
     logprobs: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)
+    # seq_id -> (the prompt position of its first entry, its prompt tokens' logprobs), for the chunks that asked
+    prompt_logprobs: dict[int, tuple[int, tuple[SampledToken, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class LaunchedStep:
     # steps queued behind it.
     queued: "torch.cuda.Event | None" = None
     begun: "torch.cuda.Event | None" = None  # recorded before the step's first kernel: with ``queued``, its device time
+    prompt_logprobs: dict[int, tuple[int, tuple[SampledToken, ...]]] = field(default_factory=dict)  # read already
 
     @property
     def running(self) -> bool:
@@ -131,7 +136,7 @@ class LaunchedStep:
                 alternatives = dict(zip(alt_ids[:k], alt_values[:k]))
                 logprobs[c.seq_id] = tuple(SampledToken(t, chosen[at + m], alternatives) for m, t in enumerate(ids))
                 at += len(ids)
-        return StepOutput(sampled, logprobs=logprobs)
+        return StepOutput(sampled, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -221,19 +226,48 @@ class ModelRunner:
         if not self.model.is_last:
             return LaunchedStep(chunks, done=StepOutput({}, self._eager_hidden(chunks, inputs, plan.fill)))
         wanted = tuple(i for i, c in enumerate(chunks) if c.num_samples) if self.samples else ()
+        prompt = any(c.prompt_targets for c in chunks) and self.samples
         if not wanted:  # the layers still run: they write K/V (and join the TP all-reduces)
-            self._eager_hidden(chunks, inputs, plan.fill)
-            return LaunchedStep(chunks, done=StepOutput({}))
-        if self._graphs is not None and self._graphs.fits(chunks):
+            hidden = self._eager_hidden(chunks, inputs, plan.fill)
+            return LaunchedStep(chunks, done=StepOutput({}, prompt_logprobs=self._prompt_logprobs(chunks, hidden) if prompt else {}))
+        prompt_logprobs = {}
+        if self._graphs is not None and self._graphs.fits(chunks) and not prompt:
             logits = self._graphs.logits(chunks, plan.fill)
             logits = logits if len(wanted) == len(chunks) else logits[to_device(torch.tensor(wanted), self.device)]
         else:
             hidden = self._eager_hidden(chunks, inputs, plan.fill)
+            if prompt:
+                prompt_logprobs = self._prompt_logprobs(chunks, hidden)
             rows = _ends(chunks)[list(wanted)]
             if self._pads:  # repeats of the last row up to a size _warm_logits has seen
                 rows = torch.cat([rows, rows[-1:].expand(padded_rows(len(rows)) - len(rows))])
             logits = self.model.logits(hidden[to_device(rows, self.device)])[: len(wanted)]
-        return self._sample(chunks, wanted, logits)
+        return replace(self._sample(chunks, wanted, logits), prompt_logprobs=prompt_logprobs)
+
+    PROMPT_ROWS = 1024  # prompt rows whose logits are made at once: 1024 x a 128K vocabulary in float32 is 0.5 GiB
+
+    def _prompt_logprobs(self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor) -> dict:
+        """The logprob of each prompt token that follows a row of a chunk that asked, with its alternatives, read
+        now: only steps of requests that ask wait for the device here."""
+        out = {}
+        firsts = [0, *torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0).tolist()]
+        for i, c in enumerate(chunks):
+            if not c.prompt_targets:
+                continue
+            k, entries = c.params.prompt_logprobs, []
+            for at in range(0, len(c.prompt_targets), self.PROMPT_ROWS):
+                targets = c.prompt_targets[at : at + self.PROMPT_ROWS]
+                rows = hidden[firsts[i] + at : firsts[i] + at + len(targets)]
+                logp = self.model.logits(rows).float().log_softmax(-1)
+                chosen = logp.gather(1, to_device(torch.tensor(targets), logp.device)[:, None])[:, 0].tolist()
+                if k:
+                    top_values, top_ids = (t.tolist() for t in torch.topk(logp, k))
+                else:
+                    top_values = top_ids = [[]] * len(targets)
+                entries += [SampledToken(t, lp, dict(zip(ids, values)))
+                            for t, lp, ids, values in zip(targets, chosen, top_ids, top_values)]
+            out[c.seq_id] = (c.start + 1, tuple(entries))
+        return out
 
     def _eager_hidden(self, chunks: tuple[ScheduledChunk, ...], inputs: torch.Tensor | None, fill: TokenFill | None) -> torch.Tensor:
         positions = to_device(torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]), self.device)

@@ -82,6 +82,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be drawn (empty: any)
     logprobs: int | None = None  # top alternatives per token; 0: only the sampled token's
+    # vLLM's: each prompt token's logprob given the ones before it, with this many alternatives (the first token has
+    # none); the prompt is computed whole for it (no cached prefix).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +127,8 @@ class SamplingParams:
             ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
              f"an int in [0, max_tokens={self.max_tokens}]"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "None or 0..20"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                                 and 0 <= self.prompt_logprobs <= 20), "None or 0..20"),
         ]
         for name, ok, want in checks:
             if not ok:

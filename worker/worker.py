@@ -236,9 +236,12 @@ class Worker:
                     tokens = tokens[:-1] + (self._last[seq_id],)
                 else:
                     raise ValueError(f"step {step.step}: seq {seq_id} ends in a placeholder, but no token was sampled for it")
-            chunks.append(ScheduledChunk(seq_id, step.slots[i], tokens, step.starts[i], step.num_samples[i],
+            start, prompt = step.starts[i], seq.prompt_token_ids
+            targets = (prompt[start + 1 : start + len(tokens) + 1]
+                       if seq.params.prompt_logprobs is not None and start + 1 < len(prompt) else ())
+            chunks.append(ScheduledChunk(seq_id, step.slots[i], tokens, start, step.num_samples[i],
                                          seq.params, seq.seed, step.output_index[i], seq.sample_index,
-                                         step.allowed.get(seq_id), step.banned.get(seq_id, ())))
+                                         step.allowed.get(seq_id), step.banned.get(seq_id, ()), targets))
         fill = TokenFill(tuple(fill_chunks), prev.tokens, tuple(fill_rows)) if fill_chunks else None
         return StepPlan(tuple(chunks), fill)
 

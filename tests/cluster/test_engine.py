@@ -13,7 +13,7 @@ from cluster.engine import LLM
 from cluster.errors import EngineDeadError
 from worker.config import PRESETS
 from worker.loader import random_model
-from worker.sampling import SamplingParams
+from worker.sampling import SampledToken, SamplingParams
 
 
 @pytest.fixture
@@ -118,6 +118,38 @@ def test_allowed_token_ids_are_all_a_row_draws_and_leave_the_others_alone(llm):
         assert set(outs[0].outputs[0].token_ids) <= set(allowed) and outs[1].outputs[0].token_ids == plain.token_ids
     with pytest.raises(ValueError, match=re.escape("allowed_token_ids must be in [0, ")):
         llm.generate("abc", replace(greedy, allowed_token_ids=[10**7]))
+
+
+def _forced_logprob(llm: LLM, prefix: list[int], token: int, k: int) -> SampledToken:
+    """The model's logprob of ``token`` after ``prefix`` (and its top ``k``), from a one-token output forced to it."""
+    params = SamplingParams(max_tokens=1, temperature=0, logit_bias={token: 100}, logprobs=k)
+    return run(llm, prefix, params).outputs[0].logprobs[0]
+
+
+@pytest.mark.parametrize("chunk", [16, 256])
+def test_prompt_logprobs_are_each_prompt_tokens_logprob_given_those_before_it(chunk):
+    """vLLM's ``prompt_logprobs``: entry i is what the model gives prompt token i after the first i (the first is
+    None), with its top k -- the same numbers a one-token output forced to that token gets; across prefill chunks,
+    a second request for the same prompt (no cached prefix skips its tokens) and preemption (nothing twice)."""
+    prompt = [5, 17, 99, 3, 42, 7, 250, 11, 64, 128, 9, 1, 77] * 3
+    asks = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    with LLM("tiny", kv_memory=16 << 20, max_num_seqs=8, max_model_len=256, page_size=4096, device="cpu",
+             max_num_batched_tokens=chunk) as llm:
+        for _ in range(2):
+            got = run(llm, prompt, asks).prompt_logprobs
+            assert len(got) == len(prompt) and got[0] is None
+            for i in range(1, len(prompt)):
+                want = _forced_logprob(llm, prompt[:i], prompt[i], 2)
+                assert got[i].token_id == prompt[i] and got[i].top_logprobs.keys() == want.top_logprobs.keys()
+                assert got[i].logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert run(llm, prompt, replace(asks, prompt_logprobs=None)).prompt_logprobs is None
+    # Two requests that outgrow the pool together: one is preempted, and its prompt computed again.
+    with LLM("tiny", kv_memory=28 * 4096, max_num_seqs=2, max_model_len=256, page_size=4096, device="cpu",
+             max_num_batched_tokens=chunk) as small:
+        outs = small.generate([prompt, prompt[::-1]], replace(asks, max_tokens=60))
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+        for o, p in zip(outs, (prompt, prompt[::-1])):
+            assert [t.token_id for t in o.prompt_logprobs[1:]] == p[1:]
 
 
 def test_min_tokens_holds_back_eos_and_stop_token_ids(llm):

@@ -160,7 +160,7 @@ def test_preemption_by_swap_across_tp_and_pp(hf_llama, layout):
 def test_parallel_and_seeded_sampling_equal_the_in_process_engine():
     prompts = ["hello there", "a b c d e f", "xyz" * 9]
     params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=s, n=n, ignore_eos=True,
-                             logprobs=2) for s, n in ((1, 3), (2, 1), (3, 2))]
+                             logprobs=2, prompt_logprobs=1) for s, n in ((1, 3), (2, 1), (3, 2))]
     kw = dict(kv_memory=16 << 20, **{**SMALL, "max_model_len": 256})
     with LLM("tiny", **kw) as local:
         want = local.generate(prompts, params)
@@ -171,6 +171,8 @@ def test_parallel_and_seeded_sampling_equal_the_in_process_engine():
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
         for cw, cg in zip(w.outputs, g.outputs):
             assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(cw.logprobs, cg.logprobs))
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(g.prompt_token_ids)  # from the sampling worker
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:]))
     assert streamed[-1].finished and [c.token_ids for c in streamed[-1].outputs] == [c.token_ids for c in want[0].outputs]
     assert len(streamed) > 1  # it streamed
 

@@ -104,6 +104,7 @@ def test_allowed_token_ids_leave_only_those_tokens_to_their_rows():
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(min_p=1.5), "min_p must be in [0, 1] (0 turns it off), got 1.5"),
     (dict(allowed_token_ids=[-1]), "allowed_token_ids must be a list of token ids (ints >= 0), got [-1]"),
+    (dict(prompt_logprobs=21), "prompt_logprobs must be None or 0..20, got 21"),
     (dict(min_tokens=20, max_tokens=16), "min_tokens must be an int in [0, max_tokens=16], got 20"),
     (dict(logit_bias={3: 101}), "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got 3: 101.0"),
     (dict(logit_bias={-1: 1}), "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got -1: 1.0"),
