@@ -406,6 +406,14 @@ class EngineCore:
         seq.texts_for = len(seq.logprobs)
         return dict(known)
 
+    def _prompt_token_texts(self, r: Request) -> dict[int, str]:
+        """Texts of the prompt's tokens and of the alternatives its logprobs name, each decoded once."""
+        known = r.prompt_token_texts
+        for i in (*r.prompt_token_ids, *(i for t in r.prompt_logprobs for i in t.top_logprobs or ())):
+            if i not in known:
+                known[i] = self.tokenizer.decode([i])
+        return dict(known)
+
     @staticmethod
     def _take_prompt_logprobs(out: SchedulerOutput, computed: dict[int, tuple[int, tuple[SampledToken, ...]]]) -> None:
         """Add what a step computed of its requests' prompt logprobs; a prompt computed again (a preempted request)
@@ -441,9 +449,11 @@ class EngineCore:
             t.finished - t.arrival if t.finished else None,
             sum(s.num_preemptions for s in r.seqs),
         )
-        prompt_logprobs = (None, *r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
+        prompt_logprobs = prompt_texts = None
+        if r.params.prompt_logprobs is not None:
+            prompt_logprobs, prompt_texts = (None, *r.prompt_logprobs), self._prompt_token_texts(r)
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, tuple(completions), r.finished or reason is not None,
-                             metrics, error, prompt_logprobs)
+                             metrics, error, prompt_logprobs, prompt_texts)
 
     @staticmethod
     def refused(request: PreparedRequest, error: str) -> RequestOutput:

@@ -38,6 +38,7 @@ class RequestOutput:
     error: str | None = None  # set when the request failed (its completions end with finish_reason "error")
     # ``prompt_logprobs``: None for the first prompt token, then each one's logprob given those before it (vLLM's)
     prompt_logprobs: tuple[SampledToken | None, ...] | None = None
+    prompt_token_texts: dict[int, str] | None = None  # with prompt_logprobs: the text of every token they name
 
     @classmethod
     def failed(cls, request_id: str, error: str, n: int = 0, logprobs: bool = False, prompt: str | None = None,

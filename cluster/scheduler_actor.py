@@ -100,7 +100,8 @@ class SchedulerActor:
         the ones before it did -- waiting up to ``timeout`` s for the first. An id this actor does not know
         (never added, or its output expired uncollected) gets a final error output. A ``consumer``'s outputs
         carry the prompt (text and token ids) in the final one only: they are most of what a poll would send each step
-        (256 streams of 1000-token prompts: 754 KB and 6.4 ms to pickle a poll, against 51 KB and 1.2 ms)."""
+        (256 streams of 1000-token prompts: 754 KB and 6.4 ms to pickle a poll, against 51 KB and 1.2 ms); those of
+        requests that asked for prompt logprobs carry it throughout."""
         deadline = time.monotonic() + timeout
         with self._cond:
             unknown = [i for i in request_ids or () if i not in self._outputs]
@@ -121,7 +122,7 @@ class SchedulerActor:
                     self._outputs[i] = []
                     if newest.finished:
                         self._forget(i)
-                    elif consumer is not None:
+                    elif consumer is not None and newest.prompt_logprobs is None:  # an echo's logprobs need them
                         newest = replace(newest, prompt=None, prompt_token_ids=())
                     out.append(newest)
             return out

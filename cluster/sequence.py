@@ -40,6 +40,7 @@ class Request:
     seqs: list["Sequence"] = field(default_factory=list)
     # ``params.prompt_logprobs``: the logprob of prompt token i + 1 given those before it, at i (as computed so far)
     prompt_logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_token_texts: dict[int, str] = field(default_factory=dict)  # of the ids its prompt logprobs name
 
     @property
     def finished(self) -> bool:

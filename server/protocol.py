@@ -142,7 +142,8 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = Field(False, description="the prompt's text before each completion's (not with logprobs yet)")
+    echo: bool = Field(False, description="the prompt's text before each completion's (with logprobs: the prompt "
+                                         "tokens' too, the first with none)")
     suffix: None = Field(None, description="not implemented")
 
     @property
@@ -157,12 +158,6 @@ class CompletionRequest(SamplingRequest):
     def _prompts_not_empty(self):
         if not self.prompt or any(not p for p in self.prompts):
             raise ValueError("prompt must not be empty")
-        return self
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not implemented: it needs the prompt tokens' logprobs")
         return self
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from fastapi import Request
 
@@ -10,13 +11,15 @@ from cluster.outputs import RequestOutput
 from server import protocol as p
 from server.errors import APIError, engine_error
 from server.serving import OpenAIServing
-from server.text import completion_logprobs
+from server.text import completion_logprobs, echoed_logprobs, joined
 
 
 class ServingCompletions(OpenAIServing):
     async def create(self, body: p.CompletionRequest, request: Request):
         self.check(request, body.model)
         params = self.sampling(body, body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the prompt's tokens come back with theirs
+            params = replace(params, prompt_logprobs=body.logprobs)
         prompts = body.prompts
         echoes = await self._echoes(prompts) if body.echo else [""] * len(prompts)
         items = await self.start(prompts, params, body.stream, cache_salt=body.cache_salt)
@@ -28,11 +31,20 @@ class ServingCompletions(OpenAIServing):
             self.failed(item.output)
         choices = [p.CompletionChoice(index=item.index * body.n + c.index, text=echoes[item.index] + c.text,
                                       finish_reason=c.finish_reason,
-                                      logprobs=completion_logprobs(c.logprobs or (), c.token_texts or {})
+                                      logprobs=self._logprobs(body, item.output, c.logprobs or (), c.token_texts or {},
+                                                              echoes[item.index], 0, True)
                                       if body.logprobs is not None else None)
                    for item in done for c in item.output.outputs]
         return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                     usage=self.usage([i.output for i in done]))
+
+    @staticmethod
+    def _logprobs(body: p.CompletionRequest, out: RequestOutput, entries, texts: dict[int, str], echo: str, start: int,
+                  first: bool) -> p.CompletionLogprobs:
+        """A completion's logprobs from ``start`` characters into its text (past the echoed prompt); its ``first``
+        piece leads with the prompt tokens' when the prompt is echoed."""
+        own = completion_logprobs(entries, texts, len(echo) + start)
+        return joined(echoed_logprobs(out), own) if first and body.echo else own
 
     async def _echoes(self, prompts: list) -> list[str]:
         """Each prompt's text, for ``echo``: as given, or its token ids decoded."""
@@ -54,8 +66,9 @@ class ServingCompletions(OpenAIServing):
             logprobs = None
             if body.logprobs is not None:
                 start = offsets.get((index, c.index), 0)
-                logprobs = completion_logprobs(entries, c.token_texts or {}, start)
-                offsets[index, c.index] = start + sum(map(len, logprobs.tokens))
+                logprobs = self._logprobs(body, out, entries, c.token_texts or {}, echoes[index], start,
+                                          (index, c.index) not in echoed)
+                offsets[index, c.index] = start + sum(len((c.token_texts or {}).get(t.token_id, "")) for t in entries)
             if (index, c.index) not in echoed:
                 echoed.add((index, c.index))
                 text = echoes[index] + text

@@ -11,6 +11,7 @@ import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -340,6 +341,33 @@ def test_echo_puts_the_prompt_before_each_completion_whole_or_streamed(client, l
     assert streamed == "The capital" + want
 
 
+def test_echo_with_logprobs_gives_the_prompt_tokens_theirs_whole_or_streamed(client, local):
+    """OpenAI's legacy shape, as vLLM gives it: the prompt's tokens lead, the first with no logprob, each other with
+    the engine's prompt logprob for it; then the completion's, their offsets past the echoed prompt."""
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    want = local.generate("The capital", greedy)[0]
+    args = dict(model="tiny", prompt="The capital", max_tokens=6, temperature=0, echo=True, logprobs=2,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0]
+    streamed = [e.choices[0] for e in client.completions.create(stream=True, **args) if e.choices]
+    for logprobs in (whole.logprobs, _joined(s.logprobs for s in streamed)):
+        prompt, output = len(want.prompt_token_ids), want.outputs[0]
+        assert len(logprobs.tokens) == prompt + len(output.token_ids) and logprobs.token_logprobs[0] is None
+        assert logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1:prompt] == pytest.approx([t.logprob for t in want.prompt_logprobs[1:]], abs=1e-4)
+        assert logprobs.token_logprobs[prompt:] == pytest.approx([t.logprob for t in output.logprobs], abs=1e-4)
+        assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])  # keyed by text: two bytes may read alike
+        assert logprobs.text_offset[prompt] == len("The capital")  # the completion's first token follows the echo
+    assert whole.text == "".join(s.text for s in streamed) == "The capital" + want.outputs[0].text
+
+
+def _joined(pieces):
+    """A streamed completion's logprobs put together."""
+    pieces = list(pieces)
+    return SimpleNamespace(**{field: [v for piece in pieces for v in getattr(piece, field)]
+                              for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+
+
 def test_a_repeated_prompt_is_served_from_the_prefix_cache_but_not_across_salts(client, local):
     prompt = "A system prompt every request of this test resends, long enough for a few full blocks."
     block = local.core.ledger.spec.tokens_within(1)  # tokens a page (the tiny model's tokens are bytes)
@@ -494,7 +522,6 @@ BAD = [
      "json_schema is required with type json_schema, and only then"),
     ({"model": "tiny", "prompt": "a", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      400, "response_format and structured_outputs: set one of them"),
-    ({"model": "tiny", "prompt": "a", "echo": True, "logprobs": 1}, 400, "echo with logprobs is not implemented"),
     ({"model": "tiny", "prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, r"min_tokens must be an int in \[0, max_tokens=4\]"),
 ]
 
