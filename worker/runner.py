@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 import torch
 
@@ -250,7 +251,7 @@ class ModelRunner:
         """The logprob of each prompt token that follows a row of a chunk that asked, with its alternatives, read
         now: only steps of requests that ask wait for the device here."""
         out = {}
-        firsts = [0, *torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0).tolist()]
+        firsts = list(accumulate((len(c.token_ids) for c in chunks), initial=0))  # each chunk's first row
         for i, c in enumerate(chunks):
             if not c.prompt_targets:
                 continue
