@@ -134,6 +134,13 @@ def test_by_default_the_kv_pool_is_a_fraction_of_what_the_weights_leave():
     assert app["args"]["kv_memory_fraction"] == 0.9 and "kv_memory" not in app["args"]
 
 
+def test_gpu_memory_utilization_sizes_the_pool_instead_of_the_fraction():
+    service = one(render({"engine": {"gpuMemoryUtilization": 0.8}}), "RayService")
+    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert app["args"]["gpu_memory_utilization"] == 0.8 and "kv_memory_fraction" not in app["args"]
+    assert "kv_memory" not in app["args"] and ServeArgs.parse(app["args"]).engine().gpu_memory_utilization == 0.8
+
+
 def test_prefix_caching_is_on_by_default_and_a_value_turns_it_off():
     for values, on in (({}, True), ({"engine": {"enablePrefixCaching": False}}, False)):
         (app,) = yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"])["applications"]
@@ -165,6 +172,7 @@ def test_the_rules_and_dashboards_are_the_repositorys_own():
     ({"engine": {"kvLayout": "blocks"}}, "kvLayout"),
     ({"engine": {"kvMemory": "lots"}}, "kvMemory"),
     ({"engine": {"kvMemoryFraction": 1.5}}, "kvMemoryFraction"),
+    ({"engine": {"gpuMemoryUtilization": 0}}, "gpuMemoryUtilization"),
     ({"model": {"volume": {"type": "nfs"}}}, "type"),
     ({"serve": {"replicas": 2}}, "replicas"),
 ])

@@ -47,6 +47,8 @@ applications:
       page_size: {{ .Values.engine.pageSize | quote }}
       {{- if .Values.engine.kvMemory }}
       kv_memory: {{ .Values.engine.kvMemory | quote }}
+      {{- else if .Values.engine.gpuMemoryUtilization }}
+      gpu_memory_utilization: {{ .Values.engine.gpuMemoryUtilization }}
       {{- else }}
       kv_memory_fraction: {{ .Values.engine.kvMemoryFraction }}
       {{- end }}
