@@ -11,7 +11,7 @@ from cluster.outputs import RequestOutput
 from server import protocol as p
 from server.errors import APIError, engine_error
 from server.serving import OpenAIServing
-from server.text import completion_logprobs, echoed_logprobs, joined
+from server.text import completion_logprobs, with_prompt
 
 
 class ServingCompletions(OpenAIServing):
@@ -31,20 +31,17 @@ class ServingCompletions(OpenAIServing):
             self.failed(item.output)
         choices = [p.CompletionChoice(index=item.index * body.n + c.index, text=echoes[item.index] + c.text,
                                       finish_reason=c.finish_reason,
-                                      logprobs=self._logprobs(body, item.output, c.logprobs or (), c.token_texts or {},
-                                                              echoes[item.index], 0, True)
+                                      logprobs=self._logprobs(body, item.output, completion_logprobs(
+                                          c.logprobs or (), c.token_texts or {}, len(echoes[item.index])))
                                       if body.logprobs is not None else None)
                    for item in done for c in item.output.outputs]
         return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                     usage=self.usage([i.output for i in done]))
 
     @staticmethod
-    def _logprobs(body: p.CompletionRequest, out: RequestOutput, entries, texts: dict[int, str], echo: str, start: int,
-                  first: bool) -> p.CompletionLogprobs:
-        """A completion's logprobs from ``start`` characters into its text (past the echoed prompt); its ``first``
-        piece leads with the prompt tokens' when the prompt is echoed."""
-        own = completion_logprobs(entries, texts, len(echo) + start)
-        return joined(echoed_logprobs(out), own) if first and body.echo else own
+    def _logprobs(body: p.CompletionRequest, out: RequestOutput, own: p.CompletionLogprobs) -> p.CompletionLogprobs:
+        """A completion's logprobs (or its first streamed piece's), led by the prompt tokens' when it is echoed."""
+        return with_prompt(out, own) if body.echo else own
 
     async def _echoes(self, prompts: list) -> list[str]:
         """Each prompt's text, for ``echo``: as given, or its token ids decoded."""
@@ -55,7 +52,7 @@ class ServingCompletions(OpenAIServing):
 
     async def _stream(self, items, rid: str, body: p.CompletionRequest, echoes: list[str]):
         finished: list[RequestOutput | None] = [None] * len(echoes)
-        offsets: dict[tuple[int, int], int] = {}  # where each completion's next logprob token starts in its text
+        offsets: dict[tuple[int, int], int] = {}  # where each completion's next logprob token starts (past an echo)
         echoed: set[tuple[int, int]] = set()  # completions whose first chunk (with the prompt, for echo) went out
         async for index, out, c, text, entries in self.deltas(items, body.stops):
             if isinstance(text, APIError):
@@ -65,10 +62,11 @@ class ServingCompletions(OpenAIServing):
                 finished[index] = out
             logprobs = None
             if body.logprobs is not None:
-                start = offsets.get((index, c.index), 0)
-                logprobs = self._logprobs(body, out, entries, c.token_texts or {}, echoes[index], start,
-                                          (index, c.index) not in echoed)
-                offsets[index, c.index] = start + sum(len((c.token_texts or {}).get(t.token_id, "")) for t in entries)
+                start = offsets.get((index, c.index), len(echoes[index]))
+                logprobs = completion_logprobs(entries, c.token_texts or {}, start)
+                offsets[index, c.index] = start + sum(map(len, logprobs.tokens))
+                if (index, c.index) not in echoed:
+                    logprobs = self._logprobs(body, out, logprobs)
             if (index, c.index) not in echoed:
                 echoed.add((index, c.index))
                 text = echoes[index] + text

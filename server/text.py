@@ -59,25 +59,13 @@ def completion_logprobs(entries: Sequence[SampledToken], texts: dict[int, str], 
     return out
 
 
-def echoed_logprobs(out: RequestOutput) -> p.CompletionLogprobs:
-    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy shape): every prompt token, the first
-    with no logprob, the others with theirs given the tokens before them."""
-    texts, logprobs = out.prompt_token_texts or {}, p.CompletionLogprobs()
-    offset = 0
-    for token_id, t in zip(out.prompt_token_ids, out.prompt_logprobs or ()):
-        token = texts.get(token_id, "")
-        logprobs.tokens.append(token)
-        logprobs.token_logprobs.append(t.logprob if t is not None else None)
-        logprobs.top_logprobs.append({texts.get(i, ""): lp for i, lp in (t.top_logprobs or {}).items()} or None
-                                     if t is not None else None)
-        logprobs.text_offset.append(offset)
-        offset += len(token)
-    return logprobs
-
-
-def joined(first: p.CompletionLogprobs, then: p.CompletionLogprobs) -> p.CompletionLogprobs:
-    return p.CompletionLogprobs(tokens=first.tokens + then.tokens, token_logprobs=first.token_logprobs + then.token_logprobs,
-                                top_logprobs=first.top_logprobs + then.top_logprobs, text_offset=first.text_offset + then.text_offset)
+def with_prompt(out: RequestOutput, completion: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    """An echoed completion's logprobs (OpenAI's legacy shape): every prompt token first -- the first with no
+    logprob, the others with theirs given the tokens before them -- then the completion's."""
+    entries = [SampledToken(out.prompt_token_ids[0]), *(out.prompt_logprobs or (None,))[1:]] if out.prompt_token_ids else []
+    prompt = completion_logprobs(entries, out.prompt_token_texts or {})
+    return p.CompletionLogprobs(**{field: getattr(prompt, field) + getattr(completion, field)
+                                   for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
 
 
 def chat_logprobs(entries: Sequence[SampledToken], texts: dict[int, str]) -> p.ChatLogprobs:

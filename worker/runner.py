@@ -37,6 +37,9 @@ class ScheduledChunk:
     prompt_targets: tuple[int, ...] = ()
 
 
+PROMPT_ROWS = 1024  # prompt rows whose logits are made at once: 1024 x a 128K vocabulary in float32 is 0.5 GiB
+
+
 @dataclass(frozen=True)
 class TokenFill:
     """Chunks whose last token is still on the device: chunk ``chunks[i]`` ends with ``source[rows[i]]``, a
@@ -245,8 +248,6 @@ class ModelRunner:
             logits = self.model.logits(hidden[to_device(rows, self.device)])[: len(wanted)]
         return replace(self._sample(chunks, wanted, logits), prompt_logprobs=prompt_logprobs)
 
-    PROMPT_ROWS = 1024  # prompt rows whose logits are made at once: 1024 x a 128K vocabulary in float32 is 0.5 GiB
-
     def _prompt_logprobs(self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor) -> dict:
         """The logprob of each prompt token that follows a row of a chunk that asked, with its alternatives, read
         now: only steps of requests that ask wait for the device here."""
@@ -256,8 +257,8 @@ class ModelRunner:
             if not c.prompt_targets:
                 continue
             k, entries = c.params.prompt_logprobs, []
-            for at in range(0, len(c.prompt_targets), self.PROMPT_ROWS):
-                targets = c.prompt_targets[at : at + self.PROMPT_ROWS]
+            for at in range(0, len(c.prompt_targets), PROMPT_ROWS):
+                targets = c.prompt_targets[at : at + PROMPT_ROWS]
                 rows = hidden[firsts[i] + at : firsts[i] + at + len(targets)]
                 logp = self.model.logits(rows).float().log_softmax(-1)
                 chosen = logp.gather(1, to_device(torch.tensor(targets), logp.device)[:, None])[:, 0].tolist()
