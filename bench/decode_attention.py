@@ -1,6 +1,7 @@
 """Decode attention kernels over the virtual cache, one layer: flash-attn's split-KV kernel (FA2, the engine's
-decode until now) against FlashInfer's (its FA3 prefill kernel run as decode, and TensorRT-LLM's XQA over the
-slots as strided pages) and the Triton split-KV kernel (``worker/attention/triton_decode.py``) in a few tunings.
+decode until now) against FlashAttention-3's KV-cache kernel (the ``fa3`` backend, where tools/build_fa3.py built
+it), FlashInfer's (its FA3 prefill kernel run as decode, and TensorRT-LLM's XQA over the slots as strided pages)
+and the Triton split-KV kernel (``worker/attention/triton_decode.py``) in a few tunings.
 
 Batches as the engine's decode steps meet them: W1's (128 sequences, 512-2176 tokens), the decode-heavy
 workload's (256, 256-1280), long contexts (16 of 8K-32K, Qwen2.5-7B's 28/4 heads). The cache is the ``mega``
@@ -97,6 +98,10 @@ def main() -> None:
         from flash_attn import flash_attn_with_kvcache
     except ImportError:
         flash_attn_with_kvcache = None
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache as fa3_kvcache
+    except ImportError:
+        fa3_kvcache = None
     rows, data = [], {}
     for case, (batch, lo, hi, hq, hkv) in CASES.items():
         rng = random.Random(0)
@@ -118,6 +123,15 @@ def main() -> None:
             for splits in (1, 2, 4, 8):  # its own choice above; these force the KV split
                 runs[f"flash_attn FA2 num_splits={splits}"] = lambda n=splits: flash_attn_with_kvcache(
                     q[:, None], k, v, cache_seqlens=lens, cache_batch_idx=slots, num_splits=n)[:, 0]
+        if fa3_kvcache is not None:
+            runs["FA3 by slot (TMA tiles)"] = lambda: fa3_kvcache(
+                q[:, None], k, v, cache_seqlens=lens, cache_batch_idx=slots)[:, 0]
+            for page in (16, 32, 64):  # the fa3 backend's path: the slots as pages, an arithmetic page table
+                table = slots[:, None] * (slot_tokens // page) + torch.arange(
+                    slot_tokens // page, device="cuda", dtype=torch.int32)
+                runs[f"FA3 pages of {page}"] = lambda p=page, t=table: fa3_kvcache(
+                    q[:, None], k.reshape(-1, p, hkv, 128), v.reshape(-1, p, hkv, 128), cache_seqlens=lens,
+                    page_table=t)[:, 0]
         fa3 = flashinfer_fa3(q, k, v, lens_host, slots.tolist(), slot_tokens)
         if fa3 is not None:
             runs["flashinfer FA3 (prefill kernel, q=1)"] = fa3

@@ -97,6 +97,7 @@ VATTN_SIDES = {
     "vattn-zero": {"zero_unmapped": True},  # the zero page over 256 tokens past each slot's pages: what it costs
     "vattn-noguard": {"zero_unmapped": True, "kv_guard_tokens": None},  # the zero page over all unmapped KV space
     "vattn-page8m": {"page_size": 8 << 20},  # a quarter of the driver calls a token, at 4x coarser prefix granularity
+    "vattn-fa3": {"attention": "fa3"},  # FlashAttention-3, one kernel a step (tools/build_fa3.py), as vLLM runs
 }
 
 WORKLOADS = {

@@ -31,6 +31,8 @@ def needs_attention(name: str) -> None:
         pytest.importorskip("flash_attn")  # every flash* backend decodes on flash-attn
     if name.startswith("flashinfer"):
         pytest.importorskip("flashinfer")
+    if name == "fa3":
+        pytest.importorskip("flash_attn_interface")  # tools/build_fa3.py
 
 
 def make_vmm(backend: str):

@@ -41,8 +41,9 @@ def test_fast_paths_agree_with_the_reference_engine(hf_model, layout, attention,
 
 @pytest.mark.parametrize(("layout", "attention", "graphs"), [
     ("mega", "flashinfer", True), ("per_layer", "flashinfer", False), ("paged", "flashinfer_paged", True),
+    ("mega", "fa3", True), ("per_layer", "fa3", False),
 ])
-def test_flashinfer_prefill_agrees_with_the_reference_engine(hf_llama128, layout, attention, graphs):
+def test_head_dim_128_kernels_agree_with_the_reference_engine(hf_llama128, layout, attention, graphs):
     needs_attention(attention)
     agree_with_the_reference(hf_llama128, layout, attention, graphs)
 
@@ -89,14 +90,14 @@ def test_gpu_memory_utilization_leaves_the_rest_of_the_gpu_free():
 
 
 @pytest.mark.parametrize(("layout", "attention"), [("mega", "fa2"), ("mega", "flash_attn"), ("paged", "flash_attn_paged"),
-                                                  ("mega", "flashinfer"), ("paged", "flashinfer_paged")])
+                                                  ("mega", "flashinfer"), ("paged", "flashinfer_paged"), ("mega", "fa3")])
 def test_async_scheduling_on_the_gpu_gives_the_sync_engines_outputs(hf_llama128, layout, attention):
     """Step k+1 launched before step k's tokens are read: placeholders filled from tokens still on the device,
     tokens read through pinned copies, slots freed and reused while a step is queued, CUDA graphs and eager
     mixed steps, seeded sampling, n > 1, logprobs. bf16 batches differ in composition between the two modes,
     so a near-tie may flip a token: the first tokens must match and nearly all the rest."""
     needs_attention(attention)
-    model = hf_llama128[0] if attention.startswith("flashinfer") else "tiny"
+    model = hf_llama128[0] if attention.startswith("flashinfer") or attention == "fa3" else "tiny"
     prompts = [list(range(5, 40)), list(range(100, 103)), list(range(200, 290)), [7, 8, 9, 10], list(range(270, 310))] * 2
     params = [
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
@@ -192,6 +193,7 @@ def test_prefix_caching_on_cuda_vmm_gives_the_tokens_computed_without_it(attenti
 
 @pytest.mark.parametrize(("layout", "attention", "graphs"), [
     ("mega", "fa2", True), ("mega", "flash_attn", True), ("per_layer", "flash_attn", False), ("mega", "flashinfer", True),
+    ("mega", "fa3", True), ("per_layer", "fa3", False),
 ])
 def test_kernels_read_nothing_past_a_256_token_guard_or_in_unbacked_space(layout, attention, graphs):
     """With the zero page only over 256 tokens past each slot's pages (``kv_guard_tokens``), or over nothing, no kernel

@@ -82,7 +82,7 @@ def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_in_place_backends_need_cuda():
-    for name in ("fa2", "flash_attn", "flash_attn_paged", "flashinfer", "flashinfer_paged"):
+    for name in ("fa2", "flash_attn", "flash_attn_paged", "flashinfer", "flashinfer_paged", "fa3"):
         with pytest.raises(ValueError, match=f"attention backend '{name}' needs a CUDA device"):
             get_backend(name, "cpu")
 
@@ -101,18 +101,25 @@ def test_flashinfer_backends_say_how_to_get_the_package(name):
         get_backend(name, "cuda")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn_interface") is not None, reason="FlashAttention-3 is installed")
+def test_fa3_backend_says_how_to_get_it():
+    with pytest.raises(ImportError, match="attention backend 'fa3' needs FlashAttention-3 .*tools/build_fa3.py"):
+        get_backend("fa3", "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["prefill", "chunked", "decode"])
 @pytest.mark.parametrize(("layout", "backend"), [("mega", "fa2"), ("per_layer", "fa2"), ("paged", "paged"),
                                                  ("mega", "flash_attn"), ("per_layer", "flash_attn"),
                                                  ("paged", "flash_attn_paged"), ("mega", "flashinfer"),
-                                                 ("per_layer", "flashinfer"), ("paged", "flashinfer_paged")])
+                                                 ("per_layer", "flashinfer"), ("paged", "flashinfer_paged"),
+                                                 ("mega", "fa3"), ("per_layer", "fa3")])
 def test_fast_backends_agree_with_reference_on_gpu(layout, backend, case):
     needs_attention(backend)
     cache_kind = "paged" if layout == "paged" else "virtual"
     block = 256 if backend in ("flash_attn_paged", "flashinfer_paged") else 16
-    # FlashInfer's kernels are compiled per head size: 128 is the one tools/gpu_flashinfer_wheels.sh prebuilds
-    dim = 128 if backend.startswith("flashinfer") else DIM
+    # FlashInfer's and FA3's kernels are compiled per head size: 128 is the one the build tools make by default
+    dim = 128 if backend.startswith("flashinfer") or backend == "fa3" else DIM
     cache, seqs, q = setup(cache_kind, layout, "cuda", cases(1024)[case], block, dim)
     fast = run(cache, backend, seqs, q, "cuda")
     ref = run(cache, "torch", seqs, q, "cuda")
@@ -121,7 +128,7 @@ def test_fast_backends_agree_with_reference_on_gpu(layout, backend, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash_attn", "flashinfer"])
+@pytest.mark.parametrize("backend", ["flash_attn", "flashinfer", "fa3"])
 def test_in_place_kernels_read_slots_past_four_billion_elements(backend):
     """A mega cache whose last slots start past 2**32 elements of their buffer (16 GiB of bf16): kernels that
     keep offsets in 32 bits would read the wrong rows. Only the used slots' pages are mapped."""

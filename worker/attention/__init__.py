@@ -23,7 +23,7 @@ class AttentionBackend(Protocol):
         """``q`` ``[tokens, H, D]`` against the cache rows of this step's sequences -> ``[tokens, H, D]``."""
 
 
-IN_PLACE = ("fa2", "flash_attn", "flashinfer")  # CUDA kernels that read a virtual cache's slots where they are
+IN_PLACE = ("fa2", "flash_attn", "flashinfer", "fa3")  # CUDA kernels that read a virtual cache's slots where they are
 PAGED_KERNELS = ("flash_attn_paged", "flashinfer_paged")  # CUDA kernels that read a paged cache's blocks through block tables
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's prefill kernels are built for (32 fails at run time)
 BACKENDS = ("torch", "paged", *IN_PLACE, *PAGED_KERNELS)
@@ -35,8 +35,10 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
     flash-attn package's ``flash_attn_with_kvcache`` over a virtual cache, CUDA, when it is installed),
     ``flash_attn_paged`` (the same package's block-table path over a paged cache of 256-token blocks),
     ``flashinfer`` / ``flashinfer_paged`` (FlashInfer's prefill kernel, FA3 on Hopper, over the virtual cache's
-    slots as pages / the paged cache's blocks; flash-attn's decode)."""
+    slots as pages / the paged cache's blocks; flash-attn's decode), ``fa3`` (FlashAttention-3's KV-cache kernel,
+    Hopper: a whole step, prefill chunks and decode rows, in one call over the virtual cache)."""
     from worker.attention.fa2 import FA2Attention, PagedGatherFA2
+    from worker.attention.fa3 import FA3KVCache
     from worker.attention.flash_attn_kvcache import FlashAttnKVCache, FlashAttnPaged
     from worker.attention.flashinfer import FlashInferKVCache, FlashInferPaged
     from worker.attention.reference import ReferenceAttention
@@ -50,6 +52,7 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
         "flash_attn_paged": FlashAttnPaged,
         "flashinfer": FlashInferKVCache,
         "flashinfer_paged": FlashInferPaged,
+        "fa3": FA3KVCache,
     }
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")

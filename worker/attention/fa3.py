@@ -1,0 +1,73 @@
+"""FlashAttention-3 (flash-attention's ``hopper/``, Hopper GPUs) over the virtual cache for every step that
+prefills: one kernel call a step; flash-attn's split-KV kernel for the all-decode steps.
+
+FA3's KV-cache call takes varlen queries (``cu_seqlens_q``), causal from the bottom right: a mixed step --
+prefill chunks attending to their cached prefixes and one-query decode rows -- is a single kernel, as vLLM runs
+its steps, instead of FlashInfer's prefill kernel plus a decode kernel (W1 1.4% and the long-context workload
+2% faster than that pair, ``bench/results/peer_fa3_h100.json``). Steps of one-query rows only (the CUDA-graph
+decode steps) stay on flash-attn's split-KV kernel: FA3 built from flash-attention's own source decodes at
+0.86-0.89x its speed (``decode_attention_fa3_h100.json``).
+
+FA3 reads the cache through a page table over the slots, not by slot (``cache_batch_idx``): by slot it
+loads K/V with the tensor-memory accelerator in whole tiles of up to 176 rows, bounded only by the slot's end,
+so a tile past a sequence's last mapped page faults on unbacked virtual memory (and it decoded 0.73-0.93x
+flash-attn's kernel, ``bench/results/decode_attention_fa3_h100.json``). Through pages smaller than its tiles --
+vLLM's path, 16-token blocks -- each row's load is predicated on the sequence's length. Page ``p`` of slot ``s``
+is rows ``(s * slot_pages + p) * PAGE_TOKENS ...``: the cache viewed as pages in place, the table arithmetic,
+built once a step on the device.
+
+New K/V are already in the cache (``AttentionStep`` wrote them), so the kernel's own append is not used.
+``tools/build_fa3.py`` builds the forward kernels this calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.attention.flash_attn_kvcache import FlashAttnKVCache
+from worker.attention.metadata import AttentionMetadata
+
+PAGE_TOKENS = 64  # below FA3's smallest K/V tile (128 rows), so its loads stay per row
+
+
+def import_fa3():
+    """FlashAttention-3's ``flash_attn_interface`` module, or an ImportError that says how to get it."""
+    try:
+        import flash_attn_interface
+    except ImportError as exc:
+        raise ImportError(
+            f"attention backend 'fa3' needs FlashAttention-3 ({exc}): build it from flash-attention's hopper/ "
+            "directory (`python setup.py install` there, or tools/build_fa3.py for just the kernels vattn calls)"
+        ) from exc
+    return flash_attn_interface
+
+
+def page_tokens(slot_tokens: int) -> int:
+    """Rows a page of a slot: the largest power of two up to ``PAGE_TOKENS`` dividing ``slot_tokens``."""
+    page = PAGE_TOKENS
+    while slot_tokens % page:
+        page //= 2
+    return page
+
+
+class FA3KVCache(FlashAttnKVCache):
+    """A step that prefills: every sequence in one FA3 call over the virtual cache's slots as pages. An all-decode
+    step: flash-attn's split-KV kernel by slot."""
+
+    def __init__(self):
+        super().__init__()
+        self._fa3 = import_fa3().flash_attn_with_kvcache
+        self._tabled: AttentionMetadata | None = None  # the step the page table is for (every layer shares it)
+        self._table: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.max_query_len == 1:  # all decode (and every CUDA-graph step, whose meta lists no seqs)
+            return super().forward(q, k_rows, v_rows, meta)
+        page = page_tokens(meta.slot_tokens)
+        if meta is not self._tabled:
+            pages = torch.arange(-(-meta.max_kv_len // page), device=q.device, dtype=torch.int32)
+            self._table = meta.slots[:, None] * (meta.slot_tokens // page) + pages
+            self._tabled = meta
+        k_pages, v_pages = k_rows.unflatten(0, (-1, page)), v_rows.unflatten(0, (-1, page))
+        return self._fa3(q, k_pages, v_pages, cache_seqlens=meta.seqused_k, page_table=self._table,
+                         cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_query_len, causal=True)
