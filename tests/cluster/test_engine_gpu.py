@@ -248,3 +248,26 @@ def test_penalties_on_the_gpu_count_the_token_in_flight(hf_llama128):
         agree(run("cuda", async_scheduling=overlap), cpu)
     graphs = dict(attention="fa2", dtype="bfloat16", cuda_graphs=True)
     agree(run("cuda", async_scheduling=True, **graphs), run("cuda", async_scheduling=False, **graphs))
+
+
+def test_prompt_logprobs_on_the_gpu_are_the_cpu_engines(hf_llama128):
+    """Prompt logprobs read from the device in slices of the prompt's rows, launched ahead or one step at a time,
+    across prefill chunks and a cached prefix (which they skip: nothing read twice): float32 with the reference
+    attention gives the CPU engine's numbers, every prompt token and its top 3."""
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    prompts = [list(range(5, 140)), list(range(100, 103)), list(range(5, 90)) + [7, 8, 9]]
+    asks = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=3)
+
+    def run(device: str, **kw) -> list:
+        with LLM(hf_llama128[0], device=device, attention="torch", dtype="float32", max_num_seqs=4, max_model_len=256,
+                 max_num_batched_tokens=64, **kw) as llm:
+            return [o.prompt_logprobs for o in llm.generate(prompts, asks)]
+
+    cpu = run("cpu")
+    for overlap in (True, False):
+        for got, want in zip(run("cuda", async_scheduling=overlap), cpu, strict=True):
+            assert got[0] is None and len(got) == len(want)
+            for g, w in zip(got[1:], want[1:]):
+                assert g.token_id == w.token_id and g.top_logprobs.keys() == w.top_logprobs.keys()
+                assert g.logprob == pytest.approx(w.logprob, abs=1e-3)
