@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	for pkg in prometheus chromium; do command -v $$pkg >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		{ apt-get install -y -q $$pkg >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $$pkg >/dev/null; }; }; } || \
 		echo "$$pkg could not be installed: its tests will skip"; done
+	# checkov scans the rendered Helm chart (tests/deploy); its own venv: its pins are not the project's.
+	python3 -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install -q 'checkov>=3.2.0'
 	touch $@
 
 test: $(VENV)/.installed

@@ -6,6 +6,10 @@ default values and with the TP=2 x PP=2 values file: every rendered object valid
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -92,8 +96,10 @@ def assert_valid(objects: list[dict]) -> None:
 def test_every_rendered_object_is_valid(values):
     objects = render(values)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ConfigMap", "ConfigMap", "Pod", "PodMonitor", "PrometheusRule", "RayService", "Service", "ServiceMonitor"]
+    assert kinds == ["ConfigMap", "ConfigMap", "Pod", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "RayService",
+                     "Service", "ServiceMonitor"]
     assert_valid(objects)
+    assert {o["metadata"]["namespace"] for o in objects} == {"llm"}
 
 
 def test_without_the_monitoring_stack_or_a_model_volume_the_objects_stay_valid():
@@ -101,7 +107,7 @@ def test_without_the_monitoring_stack_or_a_model_volume_the_objects_stay_valid()
     objects = render({"model": {"volume": {"type": "none"}}, "ncclEnv": {}, "serve": {"numReplicas": 3},
                       "monitoring": {"serviceMonitor": off, "podMonitor": off, "prometheusRule": off},
                       "grafana": {"dashboards": off}})
-    assert sorted(o["kind"] for o in objects) == ["Pod", "RayService", "Service"]
+    assert sorted(o["kind"] for o in objects) == ["Pod", "PodDisruptionBudget", "RayService", "Service"]
     assert_valid(objects)
     (group,) = one(objects, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 3
@@ -175,6 +181,9 @@ def test_the_rules_and_dashboards_are_the_repositorys_own():
     ({"engine": {"gpuMemoryUtilization": 0}}, "gpuMemoryUtilization"),
     ({"model": {"volume": {"type": "nfs"}}}, "type"),
     ({"serve": {"replicas": 2}}, "replicas"),
+    ({"image": {"digest": "latest"}}, "digest"),
+    ({"networkPolicy": {"apiFrom": "everyone"}}, "apiFrom"),
+    ({"probes": {"periodSeconds": 0}}, "periodSeconds"),
 ])
 def test_bad_values_are_refused_by_the_schema_naming_them(values, message):
     with pytest.raises(helm.HelmError, match=message):
@@ -202,3 +211,67 @@ def test_the_rendered_serve_config_serves_on_cpu():
         (worker,) = ray.get(scheduler.snapshot.remote()).workers
         spec = plan(EngineConfig("tiny", max_num_seqs=16, max_model_len=256, page_size=4096), model_config("tiny"), "cpu").ledger_spec
         assert worker.total_pages == 16 * spec.pages_for(256)  # 0.9 of the host's memory, stopped at 16 full slots
+
+
+def pods_of(objects: list[dict]) -> list[dict]:
+    """Every pod the release makes: the test Pod, and the RayService's head and worker-group templates as the Pods
+    KubeRay creates from them (metadata and spec as written; the scanners know Pods, not RayService)."""
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    for service in (o for o in objects if o["kind"] == "RayService"):
+        cluster = service["spec"]["rayClusterConfig"]
+        groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster["workerGroupSpecs"]]
+        for name, group in groups:
+            meta = {**group["template"]["metadata"], "name": f"{service['metadata']['name']}-{name}",
+                    "namespace": service["metadata"]["namespace"]}
+            pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": group["template"]["spec"]})
+    return pods
+
+
+def test_a_network_policy_and_a_pinned_image_render_valid_when_asked():
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    objects = render({"networkPolicy": {"enabled": True, "apiFrom": [gateway]}, "image": {"digest": "sha256:" + "a" * 64}})
+    assert_valid(objects)
+    policy = one(objects, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "vattn", "app.kubernetes.io/instance": "vattn"}
+    api = [rule for rule in policy["spec"]["ingress"] if rule.get("from") == [gateway]]
+    assert [p["port"] for rule in api for p in rule["ports"]] == [8000]
+    assert {c["image"] for pod in pods_of(objects)[1:] for c in pod["spec"]["containers"]} == {"ghcr.io/vattn/vattn@sha256:" + "a" * 64}
+
+
+def test_the_disruption_budget_selects_the_gpu_worker_pods_only():
+    objects = render({})
+    selector = one(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]
+    labels = {p["metadata"]["name"]: {**p["metadata"]["labels"], "ray.io/node-type": "head" if p["metadata"]["name"].endswith("head") else "worker"}
+              for p in pods_of(objects)[1:]}  # KubeRay adds ray.io/node-type to the pods it makes
+    assert [name for name, pod in labels.items() if selector.items() <= pod.items()] == ["vattn-gpu"]
+
+
+def checkov() -> str:
+    """The checkov CLI: $CHECKOV, the one `make test` installs beside the venv, or one on the PATH."""
+    beside = Path(sys.executable).parents[1] / "checkov" / "bin" / "checkov"
+    found = os.environ.get("CHECKOV") or (str(beside) if beside.exists() else shutil.which("checkov"))
+    if not found:
+        pytest.skip("checkov is not installed (`make test` installs it in .venv/checkov)")
+    return found
+
+
+@pytest.mark.parametrize("values", [*VALUE_SETS.values(), {"networkPolicy": {"enabled": True}}],
+                         ids=[*VALUE_SETS.keys(), "network-policy"])
+def test_checkov_finds_no_unexplained_failure_in_the_rendered_chart(values, tmp_path):
+    """checkov's Kubernetes checks over every rendered object and every pod the release makes (locked-down security
+    contexts, resources, probes, no API token, a namespace): none fails, and each check skipped is skipped by an
+    annotation in the chart that gives its reason."""
+    objects = render(values)
+    path = tmp_path / "chart.yaml"
+    path.write_text(yaml.safe_dump_all(objects + pods_of(objects)[1:]))
+    run = subprocess.run([checkov(), "-f", str(path), "--framework", "kubernetes", "-o", "json", "--skip-download"],
+                         capture_output=True, text=True, timeout=300)
+    report = json.loads(run.stdout)
+    results = report["results"]
+    assert [(c["check_id"], c["resource"]) for c in results["failed_checks"]] == []
+    pods = {f"Pod.llm.{p['metadata']['name']}": p for p in pods_of(objects)}
+    assert {c["resource"] for c in results["passed_checks"]} >= set(pods)  # the lifted pods were checked
+    reasons = {r: {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in p["metadata"].get("annotations", {}).items()
+                   if k.startswith("checkov.io/skip")} for r, p in pods.items()}
+    for skipped in results["skipped_checks"]:
+        assert len(reasons[skipped["resource"]][skipped["check_id"]]) > 20, skipped
