@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q $(TORCH_CPU_PIN); fi
 	$(PY) -m pip install -q -e '.[test]'
-	# Debian's prometheus (with promtool) scrapes the server and checks the alert rules, and its headless chromium
-	# loads /dashboard, in tests/server and tests/deploy (they skip, saying so, without them).
-	for pkg in prometheus chromium; do command -v $$pkg >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	# Debian's prometheus (with promtool) scrapes the server and checks the alert rules, its headless chromium loads
+	# /dashboard, and redis-server holds the GCS's tables in the fault-tolerance test (tests/server and tests/deploy;
+	# they skip, saying so, without them).
+	for pkg in prometheus chromium redis-server; do command -v $$pkg >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		{ apt-get install -y -q $$pkg >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $$pkg >/dev/null; }; }; } || \
 		echo "$$pkg could not be installed: its tests will skip"; done
 	# checkov scans the rendered Helm chart (tests/deploy); its own venv: its pins are not the project's.

@@ -184,6 +184,8 @@ def test_the_rules_and_dashboards_are_the_repositorys_own():
     ({"image": {"digest": "latest"}}, "digest"),
     ({"networkPolicy": {"apiFrom": "everyone"}}, "apiFrom"),
     ({"probes": {"periodSeconds": 0}}, "periodSeconds"),
+    ({"gcsFaultTolerance": {"enabled": True}}, "redisAddress"),
+    ({"gcsFaultTolerance": {"redisAddress": "redis://r:6379"}}, "redisAddress"),
 ])
 def test_bad_values_are_refused_by_the_schema_naming_them(values, message):
     with pytest.raises(helm.HelmError, match=message):
@@ -236,6 +238,16 @@ def test_a_network_policy_and_a_pinned_image_render_valid_when_asked():
     api = [rule for rule in policy["spec"]["ingress"] if rule.get("from") == [gateway]]
     assert [p["port"] for rule in api for p in rule["ports"]] == [8000]
     assert {c["image"] for pod in pods_of(objects)[1:] for c in pod["spec"]["containers"]} == {"ghcr.io/vattn/vattn@sha256:" + "a" * 64}
+
+
+def test_gcs_fault_tolerance_points_the_cluster_at_redis_with_the_password_from_its_secret():
+    ft = {"enabled": True, "redisAddress": "redis-master.redis.svc:6379", "passwordSecret": {"name": "redis"}}
+    objects = render({"gcsFaultTolerance": ft})
+    assert_valid(objects)
+    options = one(objects, "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert options == {"redisAddress": "redis-master.redis.svc:6379",
+                       "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}}}
+    assert "gcsFaultToleranceOptions" not in one(render({}), "RayService")["spec"]["rayClusterConfig"]
 
 
 def test_the_disruption_budget_selects_the_gpu_worker_pods_only():
