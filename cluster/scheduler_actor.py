@@ -142,6 +142,12 @@ class SchedulerActor:
             if not ids:
                 del self._consumers[consumer]
 
+    def in_flight(self) -> int:
+        """Requests added and not yet done with: running, waiting, or finished with their final output not collected
+        (what a replica being stopped waits for)."""
+        with self._cond:
+            return len(self._outputs)
+
     def health(self) -> str:
         """"ok", "rebuilding" (the worker group failed and is being replaced) or "dead" (the engine cannot serve)."""
         if self._error is not None or self._closed:

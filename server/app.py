@@ -22,6 +22,8 @@ from server.outputs import OutputCollector
 from server.routing import STATS_PERIOD_S, KVAwareRouter
 from server.serving import ServerSettings
 
+DRAIN_MARGIN_S = 10.0  # past a replica's drain, for closing its workers before Serve kills it
+
 
 @dataclass(frozen=True)
 class AppConfig:
@@ -31,6 +33,9 @@ class AppConfig:
     num_replicas: int = 1
     ingress_replicas: int = 1
     log_level: str = "info"  # the replicas' (vLLM's --uvicorn-log-level): access lines at info and below
+    # A replica Serve stops (a rolling update, a scale-down, the app deleted) lets the requests it holds run to their
+    # ends this long; Serve kills it DRAIN_MARGIN_S after that.
+    drain_timeout_s: float = 60.0
 
     def logging(self) -> LoggingConfig:
         """What Serve's replicas log: ``trace`` is uvicorn's name for more than debug, which Python's logging lacks."""
@@ -67,7 +72,10 @@ def build_app(config: AppConfig) -> Application:
     device = e.device or ("cuda" if ray.is_initialized() and ray.cluster_resources().get("GPU") else "cpu")
     worker = {"GPU": 1.0, "CPU": 1.0} if device == "cuda" else {"CPU": 1.0}
     bundles = [{"CPU": 1.0}] + [worker] * (e.tensor_parallel_size * e.pipeline_parallel_size)
-    engine = serve.deployment(EngineServer, name="VattnEngine", num_replicas=config.num_replicas,
+    if not config.drain_timeout_s > 0:
+        raise ValueError(f"drain_timeout_s must be > 0, got {config.drain_timeout_s!r}")
+    drain = dict(graceful_shutdown_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S, graceful_shutdown_wait_loop_s=0.5)
+    engine = serve.deployment(EngineServer, name="VattnEngine", num_replicas=config.num_replicas, **drain,
                               ray_actor_options={"num_cpus": 1}, placement_group_bundles=bundles,
                               placement_group_strategy=e.placement_strategy, max_ongoing_requests=100_000,
                               logging_config=config.logging(),
@@ -75,9 +83,10 @@ def build_app(config: AppConfig) -> Application:
                                                                         request_routing_stats_period_s=STATS_PERIOD_S))
     if not isinstance(config.ingress_replicas, int) or config.ingress_replicas < 1:
         raise ValueError(f"ingress_replicas must be an int >= 1, got {config.ingress_replicas!r}")
-    ingress = serve.deployment(OpenAIIngress, name="VattnIngress", num_replicas=config.ingress_replicas,
+    ingress = serve.deployment(OpenAIIngress, name="VattnIngress", num_replicas=config.ingress_replicas, **drain,
                                max_ongoing_requests=100_000, logging_config=config.logging())
-    return ingress.bind(engine.bind(replace(e, device=device), config.served_name), config.settings, config.num_replicas)
+    return ingress.bind(engine.bind(replace(e, device=device), config.served_name, config.drain_timeout_s),
+                        config.settings, config.num_replicas)
 
 
 def app_builder(args: dict | ServeArgs) -> Application:
@@ -87,4 +96,4 @@ def app_builder(args: dict | ServeArgs) -> Application:
     engine = a.engine()
     model_config_of(engine.model)  # a missing model directory fails here, not in a replica
     return build_app(AppConfig(engine, a.served_model_name, a.settings(), a.num_replicas, a.ingress_replicas,
-                               a.uvicorn_log_level))
+                               a.uvicorn_log_level, a.drain_timeout_s))

@@ -50,6 +50,7 @@ class ServeArgs(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None  # reads tool_choice "auto" answers (vLLM's flag)
     seed: int = 0  # random weights (dummy load), and the seeds of requests that bring none (vLLM's --seed)
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"  # replicas' logs
+    drain_timeout_s: float = Field(60.0, gt=0)  # a replica being replaced lets its requests finish this long
 
     @classmethod
     def parse(cls, args: "dict | ServeArgs") -> "ServeArgs":

@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="seeds the requests that bring none, and dummy weights (vLLM's flag)")
     srv.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
                      default="info", help="what the server's replicas log; below info, no access lines (vLLM's flag)")
+    srv.add_argument("--drain-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="how long a replica being replaced or stopped lets the requests it holds finish")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted for vLLM command lines: --tool-call-parser alone turns 'auto' on")
     engine_options(srv)
@@ -81,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
             api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,
             max_pending=args.max_pending, tool_call_parser=args.tool_call_parser, seed=args.seed,
             tokenizer=args.tokenizer, chat_template=args.chat_template, uvicorn_log_level=args.uvicorn_log_level,
+            drain_timeout_s=args.drain_timeout,
         ))
         engine = serve_args.engine()
         plan(engine, model_config(args.model), device)  # bad options fail here, before Ray starts

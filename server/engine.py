@@ -7,6 +7,8 @@ tokens never pass through this replica, nor through a Serve stream item each.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 
 import ray
@@ -53,7 +55,7 @@ class SchedulerRef:
 class EngineServer:
     """The engine deployment's replica (``server.app`` wraps it in ``serve.deployment``)."""
 
-    def __init__(self, config: EngineConfig, model_name: str):
+    def __init__(self, config: EngineConfig, model_name: str, drain_timeout_s: float = 60.0):
         # The replica's placement group (Serve made it from ``placement_group_bundles``): bundle 0 holds this replica
         # and its scheduler actor, the rest its workers -- so Serve places a replica only where its GPUs are free.
         group = ray.util.get_current_placement_group()
@@ -63,6 +65,7 @@ class EngineServer:
         self.vocab_size = model_config(config.model).vocab_size
         self.scheduler = SchedulerRef(SCHEDULER_PREFIX + replica, self.engine.actor)
         self._reports = 0
+        self.drain_timeout_s = drain_timeout_s
 
     async def add(self, prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None,
                   request_ids: list[str], consumer: str, cache_salt: str | None = None,
@@ -106,7 +109,28 @@ class EngineServer:
     async def snapshot(self) -> EngineSnapshot:
         return await self.engine.actor.snapshot.remote()
 
-    def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.close()
+    def __del__(self):
+        """Serve stopping this replica (a rolling update, a scale-down, the app deleted) calls this on the replica's
+        event loop: it returns the drain, which Serve awaits. Collected anywhere else, the engine closes at once."""
+        if getattr(self, "engine", None) is None:
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._close()
+            return None
+        return self._drain()
+
+    async def _drain(self) -> None:
+        """Let the requests this replica's scheduler holds run to their ends and their outputs be collected, up to
+        ``drain_timeout_s``, then close the engine. Serve counts only calls in progress, and the ingress streams a
+        request's tokens from the scheduler actor after its ``add`` call has returned: without this a rolling update
+        would cut every stream short."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        while time.monotonic() < deadline and await self.engine.actor.in_flight.remote():
+            await asyncio.sleep(0.1)
+        self._close()
+
+    def _close(self) -> None:
+        engine, self.engine = self.engine, None
+        engine.close()

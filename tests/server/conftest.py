@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,3 +55,23 @@ def send_completions(target: str, word: str, count: int) -> None:
         r = httpx.post(f"http://{target}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": f"{word} " * (k + 1), "max_tokens": 12, "temperature": 0, "n": 1 + k % 2})
         assert r.status_code == 200, r.text
+
+
+def stream_to_end(url: str, out: list, body: dict) -> None:
+    """One streamed greedy completion of ``tiny`` (``body`` on top) into ``out``: ("done", its finish reason) when it
+    ran to its end, ("error", message) for an error event, ("cut", None) for a stream that just stopped."""
+    finish = None
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "a b c", "temperature": 0, "ignore_eos": True, "stream": True, **body}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out.append(("done", finish))
+                return
+            event = json.loads(line[6:])
+            if "error" in event:
+                out.append(("error", event["error"]["message"]))
+                return
+            finish = event["choices"][0]["finish_reason"] or finish
+    out.append(("cut", None))

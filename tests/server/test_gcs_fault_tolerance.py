@@ -10,7 +10,6 @@ good (in a pod, KubeRay restarts the head and every replica with it).
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import threading
@@ -23,10 +22,9 @@ import pytest
 import ray
 from ray import serve
 
-from tests.server.conftest import free_port, tiny_server
+from tests.server.conftest import free_port, stream_to_end, tiny_server
 from tests.server.test_openai_api import engine_snapshot
 
-STREAM = {"model": "tiny", "prompt": "a b c", "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 @contextmanager
@@ -47,32 +45,13 @@ def redis_server() -> Iterator[str]:
         proc.wait(10)
 
 
-def stream(url: str, out: list) -> None:
-    """One streamed completion: ("done", its finish reason) when it ran to its end, ("error", message) for an error
-    event, ("cut", None) for a stream that just stopped."""
-    finish = None
-    with httpx.stream("POST", f"{url}/v1/completions", json=STREAM, timeout=60) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                out.append(("done", finish))
-                return
-            event = json.loads(line[6:])
-            if "error" in event:
-                out.append(("error", event["error"]["message"]))
-                return
-            finish = event["choices"][0]["finish_reason"] or finish
-    out.append(("cut", None))
-
-
 def through_an_outage(url: str, outage_s: float = 3.0) -> tuple[list, list[int], list[int]]:
     """Four streams in flight and one request a second while the GCS is down for ``outage_s``; the streams' ends,
     the status codes during the outage and of three requests after it."""
     body = {"model": "tiny", "prompt": "hello world", "max_tokens": 12, "temperature": 0}
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
     ends: list = []
-    streams = [threading.Thread(target=stream, args=(url, ends)) for _ in range(4)]
+    streams = [threading.Thread(target=stream_to_end, args=(url, ends, {"max_tokens": 150})) for _ in range(4)]
     for t in streams:
         t.start()
     time.sleep(0.3)

@@ -109,6 +109,7 @@ applications:
       max_pending: {{ .Values.serve.maxPending }}
       max_n: {{ .Values.serve.maxN }}
       max_body: {{ .Values.serve.maxBody | quote }}
+      drain_timeout_s: {{ .Values.serve.drainTimeoutS }}
 {{- end -}}
 
 {{/* Environment of every Ray container: NCCL settings, the API key (the replicas read $VATTN_API_KEY), extras. */}}
