@@ -26,6 +26,11 @@ def environment() -> dict:
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
         versions["cuda"] = torch.version.cuda
+        for module in ("flash_attn", "flash_attn_3", "flashinfer"):  # attention kernels, often built on the machine
+            try:
+                versions[module] = importlib.import_module(module).__version__
+            except Exception:  # not there, or not importable: the backends that need it say so
+                pass
     else:
         device = f"cpu ({platform.processor() or platform.machine()})"
     return {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import tarfile
 import time
@@ -70,7 +71,8 @@ def build(hopper_tar: Path, cutlass_tar: Path, out: Path, head_dims: list[int], 
     print(f"built {len(sources)} sources in {time.perf_counter() - start:.0f} s")
     package = out / "flash_attn_3"
     package.mkdir(exist_ok=True)
-    (package / "__init__.py").write_text("")
+    version = re.search(r"^__version__\s*=\s*(.+)$", (hopper / "__init__.py").read_text(), re.M).group(1)
+    (package / "__init__.py").write_text(f"__version__ = {version}  # flash-attention's hopper/, built by vattn\n")
     shutil.copy(out / "build" / "_C.so", package / "_C.so")
     shutil.copy(hopper / "flash_attn_interface.py", out / "flash_attn_interface.py")
     return out
