@@ -52,9 +52,10 @@ def flashinfer_fa3(q, k, v, lens: list[int], slots: list[int], slot_tokens: int)
         import flashinfer
     except ImportError:
         return None
-    from worker.attention.flashinfer import page_tokens
+    from worker.attention.flashinfer import PAGE_TOKENS
+    from worker.attention.metadata import page_rows
 
-    page = page_tokens(slot_tokens)
+    page = page_rows(slot_tokens, PAGE_TOKENS)
     per_slot = slot_tokens // page
     tables = [[s * per_slot + p for p in range(-(-n // page))] for s, n in zip(slots, lens)]
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(

@@ -43,7 +43,8 @@ import report  # noqa: E402
 from timing import time_ms  # noqa: E402
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec  # noqa: E402
 from worker.attention import AttentionMetadata, SeqAttention, get_backend  # noqa: E402
-from worker.attention.flashinfer import page_tokens  # noqa: E402
+from worker.attention.flashinfer import PAGE_TOKENS  # noqa: E402
+from worker.attention.metadata import page_rows  # noqa: E402
 from worker.config import PRESETS  # noqa: E402
 
 _LLAMA3 = PRESETS["llama-3-8b"]
@@ -106,7 +107,7 @@ def flashinfer_ms(cache: Cache, seqs: list[SeqAttention], iters: int) -> float:
         bs, kv = pc.block_size, (pc.k(LAYER), pc.v(LAYER))  # [blocks, block_size, H, D], strided over the layers (NHD)
         tables = [pc.block_table(s.slot) for s in seqs]
     else:  # a slot's rows as consecutive pages, as the engine's flashinfer backend hands them over
-        bs = page_tokens(pc.spec.slot_tokens)
+        bs = page_rows(pc.spec.slot_tokens, PAGE_TOKENS)
         kv = tuple(rows.unflatten(0, (-1, bs)) for rows in pc.rows(LAYER))  # [slots * slot_tokens / bs, bs, H, D]
         per_slot = pc.spec.slot_tokens // bs
         tables = [[s.slot * per_slot + p for p in range(-(-s.kv_len // bs))] for s in seqs]

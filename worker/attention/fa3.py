@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from worker.attention.flash_attn_kvcache import FlashAttnKVCache
-from worker.attention.metadata import AttentionMetadata
+from worker.attention.metadata import AttentionMetadata, page_rows
 
 PAGE_TOKENS = 64  # below FA3's smallest K/V tile (128 rows), so its loads stay per row
 
@@ -42,28 +42,21 @@ def import_fa3():
     return flash_attn_interface
 
 
-def page_tokens(slot_tokens: int) -> int:
-    """Rows a page of a slot: the largest power of two up to ``PAGE_TOKENS`` dividing ``slot_tokens``."""
-    page = PAGE_TOKENS
-    while slot_tokens % page:
-        page //= 2
-    return page
-
 
 class FA3KVCache(FlashAttnKVCache):
     """A step that prefills: every sequence in one FA3 call over the virtual cache's slots as pages. An all-decode
     step: flash-attn's split-KV kernel by slot."""
 
     def __init__(self):
+        self._fa3 = import_fa3().flash_attn_with_kvcache  # first: without FA3 the error names it, not flash-attn
         super().__init__()
-        self._fa3 = import_fa3().flash_attn_with_kvcache
         self._tabled: AttentionMetadata | None = None  # the step the page table is for (every layer shares it)
         self._table: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.max_query_len == 1:  # all decode (and every CUDA-graph step, whose meta lists no seqs)
             return super().forward(q, k_rows, v_rows, meta)
-        page = page_tokens(meta.slot_tokens)
+        page = page_rows(meta.slot_tokens, PAGE_TOKENS)
         if meta is not self._tabled:
             pages = torch.arange(-(-meta.max_kv_len // page), device=q.device, dtype=torch.int32)
             self._table = meta.slots[:, None] * (meta.slot_tokens // page) + pages

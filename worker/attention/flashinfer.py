@@ -23,7 +23,7 @@ from itertools import accumulate
 import torch
 
 from worker.attention.flash_attn_kvcache import FlashAttnKVCache, FlashAttnPaged
-from worker.attention.metadata import AttentionMetadata
+from worker.attention.metadata import AttentionMetadata, page_rows
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
 PAGE_TOKENS = 256
@@ -40,13 +40,6 @@ def import_flashinfer():
         ) from exc
     return flashinfer
 
-
-def page_tokens(slot_tokens: int) -> int:
-    """Rows a page of a virtual slot: the largest power of two up to ``PAGE_TOKENS`` dividing ``slot_tokens``."""
-    page = PAGE_TOKENS
-    while slot_tokens % page:
-        page //= 2
-    return page
 
 
 class _FlashInferPrefill(ABC):
@@ -102,7 +95,7 @@ class FlashInferKVCache(_FlashInferPrefill, FlashAttnKVCache):
         FlashAttnKVCache.__init__(self)
 
     def _pages(self, meta, seqs):
-        page = page_tokens(meta.slot_tokens)
+        page = page_rows(meta.slot_tokens, PAGE_TOKENS)
         per_slot = meta.slot_tokens // page
         return page, [[s.slot * per_slot + p for p in range(-(-s.kv_len // page))] for s in (meta.seqs[i] for i in seqs)]
 

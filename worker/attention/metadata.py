@@ -10,6 +10,15 @@ import torch
 from worker.staging import to_device
 
 
+def page_rows(slot_tokens: int, most: int) -> int:
+    """Rows a page of a virtual slot handed to a paged kernel: the largest power of two up to ``most`` dividing
+    ``slot_tokens`` (page ``p`` of slot ``s`` is then rows ``(s * slot_tokens // page + p) * page ...``)."""
+    page = most
+    while slot_tokens % page:
+        page //= 2
+    return page
+
+
 @dataclass(frozen=True)
 class SeqAttention:
     """One sequence's part of a step: ``query_len`` new tokens ending at ``kv_len`` tokens in ``slot``."""
