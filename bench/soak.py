@@ -218,11 +218,16 @@ def main() -> None:
                         "requests": sum(stats.values()), "errors": len(errors), "drained": True})
         samples[-1]["total_rss"] = sum(samples[-1]["rss"].values())
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # `vattn serve` stops Serve (and HAProxy) on SIGTERM
-        server.wait(60)
+        # SIGTERM to `vattn serve` alone: it stops Serve, HAProxy with it, then Ray. Its process group only after:
+        # Ray killed first would leave HAProxy holding its ports.
+        server.terminate()
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
     marks = [m for m in (1, 10, 30) if m < args.minutes] + [args.minutes]
     at = {m: min(samples[:-1], key=lambda s: abs(s["t_s"] - 60 * m)) for m in marks}
-    since = 10 if args.minutes > 10 else 1
+    since = 10 if 10 in marks else marks[0]
     growth = (samples[-2]["total_rss"] - at[since]["total_rss"]) / at[since]["total_rss"]
     rows = [[f"{m:g}", s["total_rss"] / 2**20, s["requests"], s["errors"]] for m, s in at.items()]
     rows.append(["after drain", samples[-1]["total_rss"] / 2**20, samples[-1]["requests"], len(errors)])
