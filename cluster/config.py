@@ -156,7 +156,9 @@ def _fastest(layout: str, head_dim: int) -> str:
         logger.warning("flash-attn does not import (%s): attention runs on torch's FlashAttention-2 (%s), slower "
                        "(tools/build_flash_attn.py builds flash-attn's kernels)", exc, fallback)
         return fallback
-    if not paged and importlib.util.find_spec("flash_attn_interface") is not None:
+    # Head dims up to 128: what tools/build_fa3.py builds by default and the H100 measured (a full FA3 build has
+    # more; --attention fa3 takes them).
+    if not paged and head_dim <= 128 and importlib.util.find_spec("flash_attn_interface") is not None:
         try:
             importlib.import_module("flash_attn_interface")
             return "fa3"
