@@ -23,6 +23,10 @@ from worker.tokenizer import load_tokenizer
 #: Seconds a finished request's output waits for its client before it is dropped (a client that went away).
 UNCLAIMED_OUTPUT_S = 300.0
 
+# The calls every request and every step make send no task events to the GCS. It keeps the last 100,000 tasks'
+# events: serving tiny on CPU (bench/soak.py) it grew from 245 to 363 MiB over the first 20 minutes, to that cap.
+hot = ray.method(enable_task_events=False)
+
 
 @ray.remote(num_cpus=0)
 class SchedulerActor:
@@ -64,6 +68,7 @@ class SchedulerActor:
         return self.core.max_model_len, tuple(self.core.tokenizer.eos_token_ids)
 
     # -- clients -------------------------------------------------------------------------------
+    @hot
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False,
                      request_ids: list[str] | None = None, consumer: str | None = None) -> list[str]:
         """Validate all (a ``ValueError`` queues none), queue them for the loop; their ids (``request_ids``: the
@@ -88,11 +93,13 @@ class SchedulerActor:
             self._cond.notify_all()
         return [r.request_id for r in prepared]
 
+    @hot
     def abort(self, request_id: str) -> None:
         with self._cond:
             self._inbox.append(("abort", request_id))
             self._cond.notify_all()
 
+    @hot
     def wait_outputs(self, request_ids: list[str] | None, timeout: float = 1.0,
                      consumer: str | None = None) -> list[RequestOutput]:
         """The newest output of each of ``request_ids`` (None: of ``consumer``'s requests, or of every request
@@ -142,18 +149,21 @@ class SchedulerActor:
             if not ids:
                 del self._consumers[consumer]
 
+    @hot
     def in_flight(self) -> int:
         """Requests added and not yet done with: running, waiting, or finished with their final output not collected
         (what a replica being stopped waits for)."""
         with self._cond:
             return len(self._outputs)
 
+    @hot
     def health(self) -> str:
         """"ok", "rebuilding" (the worker group failed and is being replaced) or "dead" (the engine cannot serve)."""
         if self._error is not None or self._closed:
             return "dead"
         return "rebuilding" if self._rebuilding else "ok"
 
+    @hot
     def snapshot(self) -> EngineSnapshot:
         with self._core_lock:
             return self.core.snapshot()
