@@ -56,11 +56,9 @@ def process_kind(p: psutil.Process) -> str:
     except psutil.Error:
         return "gone"
     head = cmd[0] if cmd else p.name()
-    if head.startswith("ray::"):
-        name = head.removeprefix("ray::")
-        if name.startswith("ServeReplica:"):
-            return "ServeReplica:" + name.rsplit(":", 1)[-1]
-        return name.split(".")[0]
+    if head.startswith("ray::"):  # a running method shows in the title too: ray::SchedulerActor.wait_outputs
+        name = head.removeprefix("ray::").split(".")[0]
+        return "ServeReplica:" + name.rsplit(":", 1)[-1] if name.startswith("ServeReplica:") else name
     if "python" in Path(head).name:  # the CLI itself: python -m server.cli
         return "python " + next((Path(a).name for a in cmd[1:] if not a.startswith("-")), "")
     return Path(head).name
@@ -179,12 +177,12 @@ def drained(url: str, timeout: float = 60) -> dict[str, float]:
 def plot(samples: list[dict], path: Path) -> None:
     kinds = sorted({k for s in samples for k in s["rss"]}, key=lambda k: -samples[-1]["rss"].get(k, 0))
     minutes = [s["t_s"] / 60 for s in samples]
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     ax.stackplot(minutes, [[s["rss"].get(k, 0) / 2**20 for s in samples] for k in kinds], labels=kinds)
     ax.set_xlabel("minutes")
     ax.set_ylabel("resident MiB (process tree)")
     ax.set_title("vattn serve --model tiny (CPU) under mixed traffic")
-    ax.legend(loc="upper left", fontsize=7)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
