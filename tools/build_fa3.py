@@ -2,10 +2,10 @@
 
 FlashAttention-3 is not on PyPI; its source is the flash-attention repository's ``hopper/`` directory, and
 its full build (five head dims, three dtypes, paged, softcap, backward, sm80 fallbacks) takes hours. The
-``fa3`` backend runs one forward call a step over the virtual cache (``cache_batch_idx`` + ``cache_seqlens``,
-varlen queries, a page table over the slots), so this compiles just the forward kernels it reaches: the head
-dims and dtype asked, with paged KV, split-KV and packed GQA, everything else switched off with the package's own ``FLASHATTENTION_DISABLE_*``
-flags (its dispatch then never names a kernel left out). CUTLASS's headers come at the revision flash-attention
+``fa3`` backend runs one forward call a step that prefills, over the virtual cache through a page table (varlen
+queries, ``cache_seqlens``), so this compiles just the forward kernels FA3's dispatch can reach from there: the
+head dims and dtype asked, with paged KV, split-KV and packed GQA, everything else switched off with the
+package's own ``FLASHATTENTION_DISABLE_*`` flags (its dispatch then never names a kernel left out). CUTLASS's headers come at the revision flash-attention
 pins as its ``csrc/cutlass`` submodule (flash-attn's sdist ships only part of them). The result is importable
 from ``--out``:
 
