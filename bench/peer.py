@@ -14,7 +14,7 @@ peer. The floor is measured in the same call. Results of another call, or of oth
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
-``vattn-page8m``: 8 MiB pages).
+``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles).
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ VATTN_SIDES = {
     "vattn-noguard": {"zero_unmapped": True, "kv_guard_tokens": None},  # the zero page over all unmapped KV space
     "vattn-page8m": {"page_size": 8 << 20},  # a quarter of the driver calls a token, at 4x coarser prefix granularity
     "vattn-fa3": {"attention": "fa3"},  # FlashAttention-3, one kernel a step (tools/build_fa3.py), as vLLM runs
+    "vattn-fa2decode": {},  # all-decode steps on flash-attn's kernel, not FA3's decode tiles (environment below)
 }
+VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"}}
 
 WORKLOADS = {
     "w1": Workload("llama-3-8b", 128, 512, 2048, 128, "W1: 128 prompts of 512-2048 tokens, 128 out"),
@@ -296,6 +298,7 @@ def launch(spec: SideSpec, work: Path, index: int, vllm_site: str, timeout: floa
         env["PYTHONPATH"] = os.pathsep.join([vllm_site, str(HERE)])
     else:
         script = Path(__file__)
+        env |= VATTN_SIDE_ENV.get(spec.label, {})
         env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), *env.get("PYTHONPATH", "").split(os.pathsep)])
     cmd = [sys.executable, str(script)] + (["side"] if spec.engine == "vattn" else []) + [str(spec_path), str(out)]
     print(f"--- [{index}] {spec.label} ({spec.model})", flush=True)

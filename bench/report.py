@@ -28,7 +28,10 @@ def environment() -> dict:
         versions["cuda"] = torch.version.cuda
         for module in ("flash_attn", "flash_attn_3", "flashinfer"):  # attention kernels, often built on the machine
             try:
-                versions[module] = importlib.import_module(module).__version__
+                imported = importlib.import_module(module)
+                versions[module] = imported.__version__
+                if getattr(imported, "vattn_decode_tiles", False):  # tools/build_fa3.py's decode tiles
+                    versions[module] += " (decode tiles)"
             except Exception:  # not there, or not importable: the backends that need it say so
                 pass
     else:

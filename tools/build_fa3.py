@@ -47,10 +47,74 @@ def extract(archive: Path, into: Path) -> Path:
     return root
 
 
-def build(hopper_tar: Path, cutlass_tar: Path, out: Path, head_dims: list[int], dtypes: list[str], jobs: int) -> Path:
+# Decode tiles: a decode call holds at most a few query rows per KV head (GQA packed: 4 for Llama-3-8B), yet
+# FA3 v2.8.3 runs head dim 128 on 128-row tiles over two MMA warpgroups, so half the tensor-core, softmax and
+# barrier work of each K/V block is padding. With decode tiles, calls of <= 64 packed query rows per KV head run
+# 64-row tiles on one MMA warpgroup (the kernels already support it: head dim 64 with V of 512 uses it), the way
+# vLLM's FA3 fork runs decode; every tile-size query in flash_api.cpp asks the same question, so splits, packing
+# and the scheduler's block counts match the kernel launched. VATTN_FA3_DECODE_TILES=0 turns it off at run time
+# (bench/kv_arrangement.py times both in one process).
+DECODE_TILES_RULE = """
+#include <cstdlib>
+#include <cstring>
+#include "flash.h"
+
+// vattn (tools/build_fa3.py): 64-row tiles on one MMA warpgroup for decode-shaped calls of head dim 128.
+inline bool vattn_decode_tiles(Flash_fwd_params const& params) {
+    char const* off = std::getenv("VATTN_FA3_DECODE_TILES");
+    return params.arch >= 90 && params.d == 128 && !params.is_local
+        && params.seqlen_q * (params.h / params.h_k) <= 64 && !(off && std::strcmp(off, "0") == 0);
+}
+"""
+DECODE_TILES_EDITS = {  # file: [(text as published, text with decode tiles, occurrences)]
+    "heuristics.h": [("#include <vector>\n", "#include <vector>\n" + DECODE_TILES_RULE, 1)],
+    "tile_size.h": [
+        ("bool v_colmajor=false, bool paged_kv_non_TMA=false, bool softcap=false) {",
+         "bool v_colmajor=false, bool paged_kv_non_TMA=false, bool softcap=false, bool decode_tiles=false) {", 1),
+        ("return {128, is_causal || is_local || paged_kv_non_TMA ? 128 : 176, true, true};",
+         "return {decode_tiles ? 64 : 128, is_causal || is_local || paged_kv_non_TMA ? 128 : 176, true, true};", 1),
+    ],
+    "flash_api.cpp": [("params.softcap > 0.f);", "params.softcap > 0.f, vattn_decode_tiles(params));", 4)],
+    "flash_fwd_launch_template.h": [
+        ('#include "epilogue_fwd.hpp"\n', '#include "epilogue_fwd.hpp"\n#include "heuristics.h"\n', 1),
+        ("bool PackGQA, bool Split, bool V_colmajor>\nvoid run_flash_fwd(",
+         "bool PackGQA, bool Split, bool V_colmajor, bool DecodeTiles>\nvoid run_flash_fwd(", 1),
+        ("V_colmajor, PagedKVNonTMA, Has_softcap);", "V_colmajor, PagedKVNonTMA, Has_softcap, DecodeTiles);", 1),
+        ("            VARLEN_SWITCH(params.cu_seqlens_q || params.cu_seqlens_k || params.seqused_q || params.seqused_k || params.leftpad_k, Varlen, [&] {\n",
+         "            VARLEN_SWITCH(params.cu_seqlens_q || params.cu_seqlens_k || params.seqused_q || params.seqused_k || params.leftpad_k, Varlen, [&] {\n"
+         "              BOOL_SWITCH(vattn_decode_tiles(params), DecodeTiles_, [&] {\n"
+         "                static constexpr bool DecodeTiles = DecodeTiles_ && Arch >= 90 && kHeadDim == 128;  // else one kernel\n", 1),
+        ("V_colmajor, PagedKVNonTMA, Has_softcap)) : 128;", "V_colmajor, PagedKVNonTMA, Has_softcap, DecodeTiles)) : 128;", 1),
+        ("PackGQA, Split, V_colmajor>(params, stream);\n                        });\n                    });\n                });\n",
+         "PackGQA, Split, V_colmajor, DecodeTiles>(params, stream);\n                        });\n                    });\n                });\n"
+         "              });\n", 1),
+    ],
+}
+
+
+def add_decode_tiles(hopper: Path) -> None:
+    """Edits the extracted ``hopper/`` sources for decode tiles (above); each edit must match as often as it
+    does in the release the archive is pinned to, so another release fails here, not in a kernel."""
+    for name, edits in DECODE_TILES_EDITS.items():
+        path = hopper / name
+        text = path.read_text()
+        if edits[0][1] in text:
+            continue  # a rerun over sources already edited
+        for old, new, count in edits:
+            if text.count(old) != count:
+                raise SystemExit(f"{path}: expected {count} x {old[:60]!r}, found {text.count(old)}: "
+                                 "not flash-attention v2.8.3.post1's hopper/? (--no-decode-tiles builds it as published)")
+            text = text.replace(old, new)
+        path.write_text(text)
+
+
+def build(hopper_tar: Path, cutlass_tar: Path, out: Path, head_dims: list[int], dtypes: list[str], jobs: int,
+          decode_tiles: bool = True) -> Path:
     from torch.utils.cpp_extension import load
 
     hopper = extract(hopper_tar, out / "src") / "hopper"
+    if decode_tiles:
+        add_decode_tiles(hopper)
     cutlass = extract(cutlass_tar, out / "cutlass") / "include"
     sources = [hopper / "flash_api.cpp", hopper / "flash_fwd_combine.cu", hopper / "flash_prepare_scheduler.cu"]
     sources += [hopper / "instantiations" / f"flash_fwd_hdim{h}_{d}{variant}_sm90.cu"
@@ -72,7 +136,8 @@ def build(hopper_tar: Path, cutlass_tar: Path, out: Path, head_dims: list[int], 
     package = out / "flash_attn_3"
     package.mkdir(exist_ok=True)
     version = re.search(r"^__version__\s*=\s*(.+)$", (hopper / "__init__.py").read_text(), re.M).group(1)
-    (package / "__init__.py").write_text(f"__version__ = {version}  # flash-attention's hopper/, built by vattn\n")
+    (package / "__init__.py").write_text(f"__version__ = {version}  # flash-attention's hopper/, built by vattn\n"
+                                         f"vattn_decode_tiles = {decode_tiles}  # tools/build_fa3.py\n")
     shutil.copy(out / "build" / "_C.so", package / "_C.so")
     shutil.copy(hopper / "flash_attn_interface.py", out / "flash_attn_interface.py")
     return out
@@ -86,12 +151,13 @@ def main() -> None:
     parser.add_argument("--head-dims", default="128", help=f"comma-separated, from {HEAD_DIMS}")
     parser.add_argument("--dtypes", default="bf16", help=f"comma-separated, from {DTYPES}")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--no-decode-tiles", action="store_true", help="FA3's tiles as published (see DECODE_TILES_RULE)")
     args = parser.parse_args()
     head_dims, dtypes = [int(h) for h in args.head_dims.split(",")], args.dtypes.split(",")
     for name, values, allowed in (("--head-dims", head_dims, HEAD_DIMS), ("--dtypes", dtypes, DTYPES)):
         if bad := [v for v in values if v not in allowed]:
             parser.error(f"{name}: {bad} not in {list(allowed)}")
-    build(args.hopper, args.cutlass, args.out, head_dims, dtypes, args.jobs)
+    build(args.hopper, args.cutlass, args.out, head_dims, dtypes, args.jobs, not args.no_decode_tiles)
 
 
 if __name__ == "__main__":

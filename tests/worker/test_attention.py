@@ -128,6 +128,24 @@ def test_fast_backends_agree_with_reference_on_gpu(layout, backend, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["1", "0"])
+def test_fa3_decodes_on_its_decode_tiles_or_on_flash_attn(monkeypatch, tiles):
+    """An all-decode step: FA3's own call where tools/build_fa3.py built decode tiles (64-row tiles, one MMA
+    warpgroup), flash-attn's split-KV kernel where they are switched off; both agree with the reference."""
+    needs_attention("fa3")
+    import flash_attn_3
+
+    if not getattr(flash_attn_3, "vattn_decode_tiles", False):
+        pytest.skip("this FA3 was built without decode tiles (tools/build_fa3.py --no-decode-tiles)")
+    monkeypatch.setenv("VATTN_FA3_DECODE_TILES", tiles)
+    assert get_backend("fa3", "cuda").fa3_decodes == (tiles == "1")
+    for layout in ("mega", "per_layer"):
+        cache, seqs, q = setup("virtual", layout, "cuda", cases(1024)["decode"], 16, 128)
+        assert relerr(run(cache, "fa3", seqs, q, "cuda"), run(cache, "torch", seqs, q, "cuda")) < 1e-2
+        cache.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flash_attn", "flashinfer", "fa3"])
 def test_in_place_kernels_read_slots_past_four_billion_elements(backend):
     """A mega cache whose last slots start past 2**32 elements of their buffer (16 GiB of bf16): kernels that

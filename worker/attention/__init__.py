@@ -36,8 +36,8 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
     ``flash_attn_paged`` (the same package's block-table path over a paged cache of 256-token blocks),
     ``flashinfer`` / ``flashinfer_paged`` (FlashInfer's prefill kernel, FA3 on Hopper, over the virtual cache's
     slots as pages / the paged cache's blocks; flash-attn's decode), ``fa3`` (FlashAttention-3's KV-cache kernel,
-    Hopper: a step that prefills, its chunks and decode rows, in one call over the virtual cache; flash-attn's
-    decode for the all-decode steps)."""
+    Hopper: every step in one call over the virtual cache; flash-attn's decode for the all-decode steps where
+    FA3 was built without decode tiles)."""
     from worker.attention.fa2 import FA2Attention, PagedGatherFA2
     from worker.attention.fa3 import FA3KVCache
     from worker.attention.flash_attn_kvcache import FlashAttnKVCache, FlashAttnPaged

@@ -1,12 +1,13 @@
-"""FlashAttention-3 (flash-attention's ``hopper/``, Hopper GPUs) over the virtual cache for every step that
-prefills: one kernel call a step; flash-attn's split-KV kernel for the all-decode steps.
+"""FlashAttention-3 (flash-attention's ``hopper/``, Hopper GPUs) over the virtual cache: one kernel call a step.
 
 FA3's KV-cache call takes varlen queries (``cu_seqlens_q``), causal from the bottom right: a mixed step --
 prefill chunks attending to their cached prefixes and one-query decode rows -- is a single kernel, as vLLM runs
 its steps, instead of FlashInfer's prefill kernel plus a decode kernel (W1 1.4% and the long-context workload
 2% faster than that pair, ``bench/results/peer_fa3_h100.json``). Steps of one-query rows only (the CUDA-graph
-decode steps) stay on flash-attn's split-KV kernel: FA3 built from flash-attention's own source decodes at
-0.86-0.89x its speed (``decode_attention_fa3_h100.json``).
+decode steps) take the same call where FA3 was built with decode tiles (``tools/build_fa3.py``: 64-row tiles on
+one MMA warpgroup, as vLLM's FA3 fork decodes); FA3 as published runs them on 128-row tiles and decodes at
+0.86-0.89x flash-attn's split-KV kernel (``decode_attention_fa3_h100.json``), so without decode tiles -- or with
+``VATTN_FA3_DECODE_TILES=0``, the build's run-time switch -- those steps stay on flash-attn's kernel.
 
 FA3 reads the cache through a page table over the slots, not by slot (``cache_batch_idx``): by slot it
 loads K/V with the tensor-memory accelerator in whole tiles of up to 176 rows, bounded only by the slot's end,
@@ -14,13 +15,15 @@ so a tile past a sequence's last mapped page faults on unbacked virtual memory (
 flash-attn's kernel, ``bench/results/decode_attention_fa3_h100.json``). Through pages smaller than its tiles --
 vLLM's path, 16-token blocks -- each row's load is predicated on the sequence's length. Page ``p`` of slot ``s``
 is rows ``(s * slot_pages + p) * PAGE_TOKENS ...``: the cache viewed as pages in place, the table arithmetic,
-built once a step on the device.
+built once a step on the device (inside the graph, for a CUDA-graph step).
 
 New K/V are already in the cache (``AttentionStep`` wrote them), so the kernel's own append is not used.
 ``tools/build_fa3.py`` builds the forward kernels this calls.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -43,18 +46,27 @@ def import_fa3():
 
 
 
+def has_decode_tiles() -> bool:
+    """Whether the FA3 that imports was built with decode tiles (``tools/build_fa3.py``) and they are not
+    switched off (``VATTN_FA3_DECODE_TILES=0``)."""
+    import flash_attn_3
+
+    return getattr(flash_attn_3, "vattn_decode_tiles", False) and os.environ.get("VATTN_FA3_DECODE_TILES") != "0"
+
+
 class FA3KVCache(FlashAttnKVCache):
-    """A step that prefills: every sequence in one FA3 call over the virtual cache's slots as pages. An all-decode
-    step: flash-attn's split-KV kernel by slot."""
+    """Every sequence of a step in one FA3 call over the virtual cache's slots as pages; an all-decode step on
+    flash-attn's split-KV kernel by slot where FA3 has no decode tiles."""
 
     def __init__(self):
         self._fa3 = import_fa3().flash_attn_with_kvcache  # first: without FA3 the error names it, not flash-attn
+        self.fa3_decodes = has_decode_tiles()
         super().__init__()
         self._tabled: AttentionMetadata | None = None  # the step the page table is for (every layer shares it)
         self._table: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.max_query_len == 1:  # all decode (and every CUDA-graph step, whose meta lists no seqs)
+        if meta.max_query_len == 1 and not self.fa3_decodes:  # all decode (and every CUDA-graph step)
             return super().forward(q, k_rows, v_rows, meta)
         page = page_rows(meta.slot_tokens, PAGE_TOKENS)
         if meta is not self._tabled:
