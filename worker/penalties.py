@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from worker import kernels
 from worker.staging import to_device
 
 
@@ -62,23 +63,16 @@ class PenaltyState:
         """``logits`` ``[rows, vocab]`` with the penalties of ``params`` applied to ``rows`` (sequences ``seq_ids``):
         a positive logit of a token in the prompt or the output divided by ``repetition_penalty``, a negative one
         multiplied; then ``frequency_penalty`` times its count in the output and ``presence_penalty`` once if there
-        at all subtracted. The batch at once; the same tensor where ``rows`` is empty."""
+        at all subtracted. The batch in one pass (``kernels.penalize``); the same tensor where ``rows`` is empty."""
         if not rows:
             return logits
-        device = logits.device
-        at = to_device(torch.tensor([self._rows[s] for s in seq_ids], dtype=torch.int64), device)
-        where = to_device(torch.tensor(rows, dtype=torch.int64), device)
-        penalties = to_device(torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
-                                            for p in params], dtype=logits.dtype), device)
-        repetition, frequency, presence = (penalties[:, i : i + 1] for i in range(3))
-        counts = self._counts[at]
-        made = counts > 0
-        x = logits[where, : self.vocab_size]
-        scale = torch.where(made | self._prompt[at], repetition, torch.ones_like(repetition))
-        x = torch.where(x > 0, x / scale, x * scale) - frequency * counts - presence * made
-        out = logits.clone()
-        out[where, : self.vocab_size] = x
-        return out
+        at, penalties = [-1] * logits.shape[0], [(1.0, 0.0, 0.0)] * logits.shape[0]
+        for row, seq_id, p in zip(rows, seq_ids, params, strict=True):
+            at[row] = self._rows[seq_id]
+            penalties[row] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        return kernels.penalize(logits, to_device(torch.tensor(at, dtype=torch.int64), logits.device),
+                                to_device(torch.tensor(penalties, dtype=torch.float32), logits.device),
+                                self._counts, self._prompt)
 
     def record(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> None:
         """Count ``tokens`` (on the device, one per sequence of ``seq_ids``) into their sequences' outputs."""

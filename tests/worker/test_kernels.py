@@ -108,3 +108,23 @@ def test_gumbel_argmax_draws_the_references_tokens(rows, vocab):
     want = kernels.gumbel_argmax_reference(logits, temperature, keys)
     # The kernel's log and reciprocal may round apart from torch's: only a near tie could flip a token.
     assert (got == want).float().mean() >= 0.99 and int(got[0]) < 3
+
+
+@pytest.mark.parametrize(("rows", "width", "vocab"), [(128, 128256, 128256), (33, 4100, 4097), (3, 7, 5)])
+def test_penalties_kernel_gives_the_references_logits(rows, width, vocab):
+    """Rows of nine sequences' counts and prompts, rows without penalties (-1) left alone, columns past the
+    counts' vocabulary left alone, -inf logits (a grammar's mask) kept -inf."""
+    seqs = 9
+    logits = 4 * torch.randn(rows, width, device="cuda")
+    logits[0, :3] = float("-inf")
+    counts = torch.randint(0, 3, (seqs, vocab), dtype=torch.int32, device="cuda")
+    prompt = torch.rand(seqs, vocab, device="cuda") < 0.1
+    at = torch.randint(-1, seqs, (rows,), device="cuda")
+    at[0] = 4
+    penalties = torch.stack([torch.rand(rows) + 0.5, 4 * torch.rand(rows) - 2, 4 * torch.rand(rows) - 2], 1).cuda()
+    got = kernels.penalize(logits, at, penalties, counts, prompt)
+    want = kernels.penalize_reference(logits, at, penalties, counts, prompt)
+    assert torch.equal(got.isneginf(), want.isneginf()) and bool(got[0, :3].isneginf().all())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    untouched = at < 0
+    assert torch.equal(got[untouched], logits[untouched]) and torch.equal(got[:, vocab:], logits[:, vocab:])
