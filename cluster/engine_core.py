@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,11 +52,13 @@ class StepInfo:
 
 @dataclass(frozen=True)
 class InFlight:
-    """A step the workers have (or had) and whose result is not taken yet."""
+    """A step the workers have (or had) and whose result is not taken yet; ``late``: its sequences whose grammar
+    masks the executor takes once the step before is read (``EngineCore._supply_masks``)."""
 
     out: SchedulerOutput
     info: StepInfo
     pending: PendingStep
+    late: tuple[Sequence, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class EngineCore:
 
     def _reset_scheduler(self) -> None:
         self.ledger = self.plan.new_ledger()
-        self.scheduler = Scheduler(self.plan.scheduler, self.ledger)
+        self.scheduler = Scheduler(self.plan.scheduler, self.ledger, getattr(self.executor, "late_masks", False))
         self._announced: set[int] = set()  # sequences whose sampling state the workers hold
         self._forget: list[int] = []  # announced sequences that finished since the last step
 
@@ -235,11 +237,13 @@ class EngineCore:
         if submitted and len(self._in_flight) < self._depth:
             return self._take_ended()  # the first step of a busy spell: the next call takes its result
         outputs = self._complete(self._in_flight.popleft(), finished_only, streamed)
+        self._supply_masks()
         self.telemetry.record_step(self.last_step.num_prefill_tokens, time.perf_counter() - start)
         while self._in_flight and not self.scheduler.has_work:
             # Rows of sequences that ended while they were in flight (a stop token found a step late): let the
             # workers finish them now, so that an idle engine holds nothing and the flush below frees it all.
             outputs += self._complete(self._in_flight.popleft(), finished_only, streamed)
+            self._supply_masks()
         if not self.has_work:
             self._flush_or_defer()  # these outputs are final whatever the workers do next
         return self._take_ended() + outputs
@@ -265,6 +269,17 @@ class EngineCore:
                 self.telemetry.record_finished(self._requests.pop(o.request_id), o.outputs[0].finish_reason)
         return outputs
 
+    def _supply_masks(self) -> None:
+        """The grammar masks the next step in flight waits for, now that the tokens before them are read and
+        matched (a sequence that ended meanwhile draws unmasked: its token is dropped)."""
+        if not self._in_flight or not self._in_flight[0].late:
+            return
+        step = self._in_flight[0]
+        masks = {seq.seq_id: None if seq.status is SeqStatus.FINISHED else self._matcher(seq).compute_bitmask()
+                 for seq in step.late}
+        step.pending.supply_masks(masks)
+        self._in_flight[0] = replace(step, late=())
+
     def _submit_next(self) -> bool:
         """Schedule a step and hand it to the executor; False when nothing could be scheduled."""
         out = self.scheduler.schedule()
@@ -276,9 +291,11 @@ class EngineCore:
             sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1 or not s.num_samples),
             len(out.preempted),
         )
+        step = self._step_input(out)
         with _step_annotation(info):
-            pending = self.executor.submit(self._step_input(out))
-        self._in_flight.append(InFlight(out, info, pending))
+            pending = self.executor.submit(step)
+        late = tuple(s.seq for s in out.scheduled if s.seq.seq_id in step.late_masks)
+        self._in_flight.append(InFlight(out, info, pending, late))
         return True
 
     def _take_ended(self) -> list[RequestOutput]:
@@ -305,6 +322,7 @@ class EngineCore:
         ahead = self.scheduler.lookahead(out).needs  # backed in the ledger now, mapped by the workers meanwhile
         new, seq_ids, slots, starts, samples, produced, tokens, offsets = [], [], [], [], [], [], [], [0]
         allowed = {}  # seq_id -> the token bitmask of its grammar's next token
+        late = []  # sequences whose bitmask follows (``_supply_masks``): their last token is on the device
         banned = {}  # seq_id -> the token ids that would complete one of its bad words
         for s in out.scheduled:
             seq = s.seq
@@ -326,12 +344,15 @@ class EngineCore:
             produced.append(seq.num_generated - (1 if s.num_samples else 0))
             offsets.append(len(tokens))
             if s.num_samples and seq.request.grammar is not None:
-                allowed[seq.seq_id] = self._matcher(seq).compute_bitmask()
+                if len(known) < s.num_tokens:  # the mask follows the token the step before draws
+                    late.append(seq.seq_id)
+                else:
+                    allowed[seq.seq_id] = self._matcher(seq).compute_bitmask()
             if s.num_samples and seq.request.bad_words and (ban := _banned(seq)):
                 banned[seq.seq_id] = ban
         forget, self._forget = tuple(self._forget), []
         return StepInput(next(self._messages), tuple(new), forget, ops, ahead, tuple(seq_ids), tuple(slots), tuple(starts),
-                         tuple(samples), tuple(produced), tuple(tokens), tuple(offsets), allowed, banned)
+                         tuple(samples), tuple(produced), tuple(tokens), tuple(offsets), allowed, banned, tuple(late))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -28,6 +28,9 @@ class PendingStep(Protocol):
     def result(self) -> StepResult:
         """Wait for the step; raises what running it raised."""
 
+    def supply_masks(self, masks: dict[int, bytes | None]) -> None:
+        """The grammar masks of the step's ``late_masks`` sequences (an executor with ``late_masks``)."""
+
 
 class Executor(Protocol):
     plan: EnginePlan  # sized: every worker's pool known
@@ -46,7 +49,10 @@ class Executor(Protocol):
 class LocalExecutor:
     """The one worker in this process: TP = PP = 1. ``submit`` queues the step's kernels and returns; its
     result is read when asked for. With async scheduling the engine submits step k+1 before it reads step k,
-    so the device runs step k+1 right after step k while this thread takes step k's tokens and schedules."""
+    so the device runs step k+1 right after step k while this thread takes step k's tokens and schedules. Grammar
+    masks may follow a launch (``late_masks``): the forward pass is queued at once, the draw when they come."""
+
+    late_masks = True
 
     def __init__(self, plan: EnginePlan, model: Transformer | None = None):
         """``plan.is_sized`` is False where the pool is a fraction of the free memory: ``self.plan`` is sized
@@ -84,6 +90,9 @@ class LocalPending:
     worker: Worker
     pending: PendingOutput
     _result: StepResult | None = None
+
+    def supply_masks(self, masks: dict[int, bytes | None]) -> None:
+        self.pending = self.worker.supply_masks(self.pending, masks)
 
     def result(self) -> StepResult:
         if self._result is None:

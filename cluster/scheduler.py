@@ -66,9 +66,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: PageLedger):
+    def __init__(self, config: SchedulerConfig, kv: PageLedger, late_masks: bool = False):
+        """``late_masks``: the executor takes a step's grammar masks after its launch, so a constrained sequence
+        runs in the step launched while its last token is on the device (its draw waits for the mask)."""
         self.config = config
         self.kv = kv
+        self.late_masks = late_masks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped_bytes: dict[int, int] = {}  # seq_id -> bytes its host copy holds (on the tightest worker)
@@ -106,7 +109,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            if self.ends_in_flight(seq) or (seq.pending and seq.request.samples_after_its_last_token):
+            if self.ends_in_flight(seq) or (seq.pending and seq.request.waits_for_its_last_token(self.late_masks)):
                 continue  # its next draw needs the token in flight (a grammar's mask, a bad word's ban)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._back(seq, seq.num_computed + n, out):

@@ -46,11 +46,11 @@ class Request:
     def finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
-    @property
-    def samples_after_its_last_token(self) -> bool:
+    def waits_for_its_last_token(self, late_masks: bool) -> bool:
         """Its next draw depends on the token before it (a grammar, a bad word of several tokens): under async
-        scheduling it skips the step launched while that token is on the device."""
-        return self.grammar is not None or any(len(w) > 1 for w in self.bad_words)
+        scheduling it skips the step launched while that token is on the device -- except for a grammar where the
+        executor takes its mask after the launch (``late_masks``: the draw waits for it, not the forward pass)."""
+        return (self.grammar is not None and not late_masks) or any(len(w) > 1 for w in self.bad_words)
 
 
 @dataclass(eq=False)

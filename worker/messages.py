@@ -51,6 +51,9 @@ class StepInput:
     offsets: tuple[int, ...] = (0,)
     allowed: dict[int, bytes] = field(default_factory=dict)  # seq_id -> its grammar's bitmask of the next token
     banned: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> token ids its bad words ban now
+    # Sequences whose grammar mask follows once the token in flight before it is read (``Worker.supply_masks``):
+    # the step's forward pass is queued now, its draw when the masks come.
+    late_masks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ class ScheduledChunk:
     banned: tuple[int, ...] = ()  # token ids its bad words ban at this draw
     # Prompt logprobs (``params.prompt_logprobs``): the prompt tokens that follow the chunk's first rows, one a row.
     prompt_targets: tuple[int, ...] = ()
+    mask_later: bool = False  # its grammar mask (``allowed``) comes after the launch (``ModelRunner.sample_late``)
 
 
 PROMPT_ROWS = 1024  # prompt rows whose logits are made at once: 1024 x a 128K vocabulary in float32 is 0.5 GiB
@@ -102,6 +103,12 @@ class LaunchedStep:
     queued: "torch.cuda.Event | None" = None
     begun: "torch.cuda.Event | None" = None  # recorded before the step's first kernel: with ``queued``, its device time
     prompt_logprobs: dict[int, tuple[int, tuple[SampledToken, ...]]] = field(default_factory=dict)  # read already
+    # A step whose draw waits for grammar masks (``ModelRunner.sample_late``): the sampling rows' logits, queued.
+    logits: torch.Tensor | None = None
+
+    @property
+    def awaits_masks(self) -> bool:
+        return self.logits is not None
 
     @property
     def running(self) -> bool:
@@ -119,6 +126,8 @@ class LaunchedStep:
         return {self.chunks[i].seq_id: row for row, i in enumerate(self.wanted)}
 
     def result(self) -> StepOutput:
+        if self.awaits_masks:
+            raise RuntimeError("a step's result was read before the grammar masks its draw waits for were supplied")
         if self.queued is not None:
             self.queued.synchronize()  # also for a step with nothing to read: its slots may be freed next
         if self.done is not None:
@@ -246,7 +255,26 @@ class ModelRunner:
             if self._pads:  # repeats of the last row up to a size _warm_logits has seen
                 rows = torch.cat([rows, rows[-1:].expand(padded_rows(len(rows)) - len(rows))])
             logits = self.model.logits(hidden[to_device(rows, self.device)])[: len(wanted)]
+        if any(chunks[i].mask_later for i in wanted):  # the draw waits for masks: ``sample_late``
+            return LaunchedStep(chunks, wanted, prompt_logprobs=prompt_logprobs, logits=logits)
         return replace(self._sample(chunks, wanted, logits), prompt_logprobs=prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample_late(self, launched: LaunchedStep, masks: dict[int, bytes | None]) -> LaunchedStep:
+        """Queue the draw of a step launched without some grammar masks (``mask_later`` chunks), with ``masks``
+        (seq_id -> bitmask; None: unmasked). The step's kernels stay queued: nothing here waits for the device."""
+        if not launched.awaits_masks:
+            raise RuntimeError("sample_late on a step whose draw is queued already")
+        if missing := [c.seq_id for c in launched.chunks if c.mask_later and c.seq_id not in masks]:
+            raise ValueError(f"no grammar mask for sequences {missing}")
+        chunks = tuple(replace(c, allowed=masks[c.seq_id], mask_later=False) if c.mask_later else c for c in launched.chunks)
+        drawn = replace(self._sample(chunks, launched.wanted, launched.logits), prompt_logprobs=launched.prompt_logprobs,
+                        begun=launched.begun)
+        if drawn.begun is None:
+            return drawn
+        queued = torch.cuda.Event(enable_timing=True)
+        queued.record()
+        return replace(drawn, queued=queued)
 
     def _prompt_logprobs(self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor) -> dict:
         """The logprob of each prompt token that follows a row of a chunk that asked, with its alternatives, read

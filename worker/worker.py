@@ -147,6 +147,19 @@ class Worker:
         finally:
             self._busy += time.perf_counter() - start
 
+    def supply_masks(self, pending: PendingOutput, masks: dict[int, bytes | None]) -> PendingOutput:
+        """Queue the draw of a launched step that waits for grammar masks (its ``late_masks``; None: draw that
+        sequence unmasked), before the next step is launched: that one reads the tokens drawn here. The step as
+        ``finish`` takes it."""
+        start = time.perf_counter()
+        try:
+            done = replace(pending, launched=self.runner.sample_late(pending.launched, masks))
+            if self._in_flight is pending:
+                self._in_flight = done
+            return done
+        finally:
+            self._busy += time.perf_counter() - start
+
     def finish(self, pending: PendingOutput) -> StepOutput:
         """Wait for a launched step and read what it sampled; steps finish in the order they were launched."""
         start = time.perf_counter()
@@ -171,6 +184,8 @@ class Worker:
 
     def _launch(self, step: StepInput, inputs: torch.Tensor | None) -> PendingOutput:
         prev = self._in_flight.launched if self._in_flight is not None else None
+        if prev is not None and prev.awaits_masks:
+            raise RuntimeError(f"step {step.step} launched before the grammar masks of the step in flight were supplied")
         error = None
         try:
             # Mapping waited for: the mapper's plan for the step before (its ensures must not race the operations
@@ -241,7 +256,8 @@ class Worker:
                        if seq.params.prompt_logprobs is not None and start + 1 < len(prompt) else ())
             chunks.append(ScheduledChunk(seq_id, step.slots[i], tokens, start, step.num_samples[i],
                                          seq.params, seq.seed, step.output_index[i], seq.sample_index,
-                                         step.allowed.get(seq_id), step.banned.get(seq_id, ()), targets))
+                                         step.allowed.get(seq_id), step.banned.get(seq_id, ()), targets,
+                                         seq_id in step.late_masks))
         fill = TokenFill(tuple(fill_chunks), prev.tokens, tuple(fill_rows)) if fill_chunks else None
         return StepPlan(tuple(chunks), fill)
 

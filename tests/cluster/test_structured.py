@@ -69,3 +69,17 @@ def test_a_structure_that_does_not_compile_is_refused_naming_it(engines, spec, m
 def test_structured_outputs_take_exactly_one_structure(spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         StructuredOutputs(**spec)
+
+
+def test_a_constrained_request_samples_every_step_launched_ahead(engines):
+    """Under async scheduling its mask follows the launch (the draw waits for it, not the forward pass), so a
+    constrained request beside a free one does not sit out every other step: 60 tokens in about as many steps as
+    the free request's 62, not twice as many."""
+    overlapped = engines[0]
+    constrained = SamplingParams(max_tokens=200, temperature=1.0, seed=5, structured_outputs=StructuredOutputs(regex="[ab]{60}"))
+    free = SamplingParams(max_tokens=62, temperature=1.0, seed=3, ignore_eos=True)
+    before = overlapped.core.num_steps
+    out, _ = overlapped.generate(["go", "on"], [constrained, free])
+    assert re.fullmatch("[ab]{60}", out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+    assert overlapped.core.num_steps - before <= 66
+    assert overlapped.core.ledger.accounting() == overlapped.cache.accounting() and not overlapped.scheduler.running

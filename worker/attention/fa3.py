@@ -5,8 +5,9 @@ prefill chunks attending to their cached prefixes and one-query decode rows -- i
 its steps, instead of FlashInfer's prefill kernel plus a decode kernel (W1 1.4% and the long-context workload
 2% faster than that pair, ``bench/results/peer_fa3_h100.json``). Steps of one-query rows only (the CUDA-graph
 decode steps) take the same call where FA3 was built with decode tiles (``tools/build_fa3.py``: 64-row tiles on
-one MMA warpgroup, as vLLM's FA3 fork decodes); FA3 as published runs them on 128-row tiles and decodes at
-0.86-0.89x flash-attn's split-KV kernel (``decode_attention_fa3_h100.json``), so without decode tiles -- or with
+one MMA warpgroup, as vLLM's FA3 fork decodes): 2.7-2.9% faster than flash-attn's split-KV kernel at W1's and the
+decode-heavy workload's batches, calls queued as graphs run them (``kv_arrangement_decode_tiles_h100.json``). FA3
+as published, on 128-row tiles, only ties with flash-attn there, so without decode tiles -- or with
 ``VATTN_FA3_DECODE_TILES=0``, the build's run-time switch -- those steps stay on flash-attn's kernel.
 
 FA3 reads the cache through a page table over the slots, not by slot (``cache_batch_idx``): by slot it
