@@ -7,8 +7,6 @@ of layers; with ``TPGroup(size>1)`` heads and the MLP are split over ranks.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -16,10 +14,6 @@ from worker.attention import AttentionStep
 from worker.config import ModelConfig
 from worker.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
 from worker.kernels import rms_norm, rope_qk, silu_mul
-
-#: On CUDA the LM head's matmul writes float32 logits itself (``VATTN_FLOAT32_LOGITS=0``: a half-precision result
-#: converted after, the A/B switch for benchmarks).
-FLOAT32_LOGITS = os.environ.get("VATTN_FLOAT32_LOGITS", "1") != "0"
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -109,10 +103,4 @@ class Transformer(nn.Module):
         return h if residual is None else h + residual
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` of hidden states ``[rows, hidden]``."""
-        x = self.norm(h)
-        if FLOAT32_LOGITS and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            # cuBLAS accumulates in float32 anyway: writing that saves converting a half-precision result, a pass
-            # over the logits as large as the result (0.11 ms a decode step at 256 rows of a 128K vocabulary).
-            return torch.mm(x, self.output.weight.t(), out_dtype=torch.float32)
-        return self.output(x).float()
+        return self.output(self.norm(h)).float()
