@@ -46,7 +46,6 @@ def import_fa3():
     return flash_attn_interface
 
 
-
 def has_decode_tiles() -> bool:
     """Whether the FA3 that imports was built with decode tiles (``tools/build_fa3.py``) and they are not
     switched off (``VATTN_FA3_DECODE_TILES=0``)."""
