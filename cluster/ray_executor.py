@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -61,6 +61,9 @@ class AheadPendingStep:
     def result(self) -> StepResult:
         return self.executor.take(self.step)
 
+    def supply_masks(self, masks: dict[int, bytes | None]) -> None:
+        self.executor.prior_masks = masks  # they travel with the next call, drain or step
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -85,7 +88,15 @@ class RayExecutor:
         self._calls: deque[tuple[int, list]] = deque()  # (step, refs) sent, replies not read yet
         self._results: dict[int, StepResult] = {}
         self._drains = itertools.count(-1, -1)  # drain calls' step numbers: the engine's are >= 0
+        # Grammar masks of the step the workers hold, sent with the next call: the sampling worker draws that step
+        # before it launches the next (``WorkerActor.execute_ahead``), so no call of its own is needed.
+        self.prior_masks: dict[int, bytes | None] | None = None
         self._start()
+
+    @property
+    def late_masks(self) -> bool:
+        """Whether a step's grammar masks may follow its launch: with workers that launch ahead."""
+        return self._ahead
 
     # -- set-up --------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -169,6 +180,8 @@ class RayExecutor:
 
     # -- steps ---------------------------------------------------------------------------------
     def submit(self, step: StepInput) -> "RayPendingStep | AheadPendingStep":
+        if self.prior_masks is not None:
+            step, self.prior_masks = replace(step, prior_masks=self.prior_masks), None
         try:
             refs = self._dag.execute(step)
         except Exception as exc:
@@ -231,6 +244,7 @@ class RayExecutor:
     # -- lifetime ------------------------------------------------------------------------------
     def rebuild(self) -> None:
         self.close()
+        self.prior_masks = None
         self._start()
 
     def close(self) -> None:

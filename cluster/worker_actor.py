@@ -67,6 +67,10 @@ class WorkerActor:
         """Queue ``step`` on the device, then finish the step the call before queued: the device runs this one
         while the scheduler takes that one's tokens. The reply carries the results finished now, in order: the
         step before's, and this one's too when it had no batch (nothing was queued)."""
+        if step.prior_masks is not None and self.worker.in_flight is not None:
+            launched = self.worker.in_flight.launched
+            if launched is not None and launched.awaits_masks:  # the call before's draw: its masks came with this one
+                self.worker.supply_masks(self.worker.in_flight, step.prior_masks)
         before = self.worker.in_flight  # the call before's step
         pending = self.worker.launch(step)
         done = [p for p in (before, pending if pending.launched is None else None) if p is not None]

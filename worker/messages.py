@@ -54,6 +54,9 @@ class StepInput:
     # Sequences whose grammar mask follows once the token in flight before it is read (``Worker.supply_masks``):
     # the step's forward pass is queued now, its draw when the masks come.
     late_masks: tuple[int, ...] = ()
+    # The late masks of the step in flight, where they travel with the next call (a Ray worker that launches
+    # ahead): drawn before this step is launched, as this step reads the tokens drawn.
+    prior_masks: dict[int, bytes | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

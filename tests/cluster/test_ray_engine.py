@@ -17,7 +17,7 @@ from cluster.engine import LLM  # noqa: E402
 from cluster.errors import EngineDeadError  # noqa: E402
 from cluster.ray_executor import RayExecutor  # noqa: E402
 from tests.cluster.conftest import NEW_TOKENS  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from worker.sampling import SamplingParams, StructuredOutputs  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SHAPES = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
@@ -175,6 +175,25 @@ def test_parallel_and_seeded_sampling_equal_the_in_process_engine():
         assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:]))
     assert streamed[-1].finished and [c.token_ids for c in streamed[-1].outputs] == [c.token_ids for c in want[0].outputs]
     assert len(streamed) > 1  # it streamed
+
+
+def test_grammar_masks_ride_on_the_next_call_and_a_constrained_request_samples_every_step():
+    """Workers that launch ahead get a step's grammar masks with the next call and draw it before launching that
+    one: a constrained request beside a free one takes about as many steps as the free one's 62, not twice as many,
+    across TP ranks of which one samples, and its tokens are the in-process engine's."""
+    constrained = SamplingParams(max_tokens=200, temperature=1.0, seed=5, structured_outputs=StructuredOutputs(regex="[ab]{60}"))
+    free = SamplingParams(max_tokens=62, temperature=1.0, seed=3, ignore_eos=True)
+    kw = dict(kv_memory=16 << 20, **{**SMALL, "max_model_len": 256})
+    with LLM("tiny", **kw) as local:
+        want = local.generate(["go", "on"], [constrained, free])
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, **kw) as llm:
+        before = llm.snapshot().num_steps
+        got = llm.generate(["go", "on"], [constrained, free])
+        steps = llm.snapshot().num_steps - before
+        assert_in_step(llm)
+    assert re.fullmatch("[ab]{60}", got[0].outputs[0].text) and got[0].outputs[0].finish_reason == "stop"
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert steps <= 66
 
 
 def test_two_hundred_requests_with_aborts_leave_every_worker_at_zero():
