@@ -4,8 +4,8 @@ sequence that the engine advances with every token it gets back and asks for the
 The engine holds the matchers (the workers only apply the masks they are sent), so a constrained sequence's mask
 needs its last token (vLLM's async scheduler also computes a grammar's mask only after the token it follows). Under
 async scheduling the step launched while that token is on the device still takes the sequence: its forward pass is
-queued at once and its draw when the mask comes (``EngineCore._supply_masks``, an executor with ``late_masks``);
-where the executor cannot take masks late (Ray's), the sequence sits out that step and samples every other one.
+queued at once and its draw when the mask comes (``EngineCore._supply_masks``: handed to the local worker at once,
+sent with the next call to Ray workers that launch ahead).
 """
 
 from __future__ import annotations
