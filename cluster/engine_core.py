@@ -294,7 +294,10 @@ class EngineCore:
         step = self._step_input(out)
         with _step_annotation(info):
             pending = self.executor.submit(step)
-        late = tuple(s.seq for s in out.scheduled if s.seq.seq_id in step.late_masks)
+        late = ()
+        if step.late_masks:
+            ids = set(step.late_masks)
+            late = tuple(s.seq for s in out.scheduled if s.seq.seq_id in ids)
         self._in_flight.append(InFlight(out, info, pending, late))
         return True
 
