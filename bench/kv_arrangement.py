@@ -29,6 +29,7 @@ import random
 import torch
 
 import report
+from timing import queued_ms
 
 LAYERS, LAYER, HQ, HKV, D = 32, 17, 32, 8, 128
 CASES = {  # name: (batch, min len, max len), the engine's decode batches (decode_attention.py's)
@@ -37,20 +38,6 @@ CASES = {  # name: (batch, min len, max len), the engine's decode batches (decod
     "4k": (64, 4096, 4096),
 }
 DT = torch.bfloat16
-
-
-def queued_ms(fn, iters: int = 50) -> float:
-    """GPU milliseconds a call of ``fn`` takes with ``iters`` calls in the stream's queue."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def tiles(fn, on: bool):
@@ -184,8 +171,6 @@ def main() -> None:
         slots = torch.randperm(batch, device="cuda", dtype=torch.int32)
         for name in args.arrangements:
             k, v, page = arrange(name, batch, tokens)
-            if name != "vllm":
-                assert k.untyped_storage().nbytes() > k.numel() * DT.itemsize or name == "per_layer", name
             ref = reference(name, k, v, page, slots, q, lens_host)
             for label, fn in kernels(name, k, v, page, q, lens, slots, tokens, fa2_kvcache, fa3_kvcache,
                                         with_tiles).items():
