@@ -10,7 +10,9 @@ good (in a pod, KubeRay restarts the head and every replica with it).
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -24,7 +26,6 @@ from ray import serve
 
 from tests.server.conftest import free_port, stream_to_end, tiny_server
 from tests.server.test_openai_api import engine_snapshot
-
 
 
 @contextmanager
@@ -80,6 +81,40 @@ def test_with_redis_the_app_serves_through_a_gcs_restart_and_its_control_plane_c
             while (snap := engine_snapshot()).requests and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert snap.requests == () and all(w.slots_in_use == 0 for w in snap.workers)
+
+
+def test_with_redis_a_worker_lost_while_the_gcs_is_down_is_rebuilt_once_it_is_back(monkeypatch):
+    """The rebuild needs new actors and a placement group, which only the GCS gives: it waits for the GCS instead
+    of failing the engine. The stream in flight on the lost worker ends with an error event, a request sent during
+    the outage is served once the group is back, and nothing leaked."""
+    with redis_server() as address:
+        monkeypatch.setenv("RAY_REDIS_ADDRESS", address)
+        with tiny_server() as target:
+            url = f"http://{target}"
+            body = {"model": "tiny", "prompt": "hello world", "max_tokens": 12, "temperature": 0}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+            (worker,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("vattn-worker-")]
+            pid = ray.get(ray.get_actor(worker["name"], namespace=worker["namespace"]).__ray_call__.remote(lambda _: os.getpid()))
+            ends: list = []
+            stream = threading.Thread(target=stream_to_end, args=(url, ends, {"max_tokens": 240}))
+            stream.start()
+            time.sleep(0.5)
+            ray._private.worker._global_node.kill_gcs_server()
+            os.kill(pid, signal.SIGKILL)  # ray.kill needs the GCS
+            during: list[int] = []
+            sender = threading.Thread(target=lambda: during.append(
+                httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code))
+            sender.start()
+            time.sleep(3)
+            assert not during  # waiting for the group, not failed
+            ray._private.worker._global_node.start_gcs_server()
+            for t in (stream, sender):
+                t.join(60)
+            assert len(ends) == 1 and ends[0][0] == "error" and "the worker group failed and was rebuilt" in ends[0][1], ends
+            assert during == [200]
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+            snap = engine_snapshot()
+            assert snap.num_rebuilds == 1 and snap.requests == () and all(w.slots_in_use == 0 for w in snap.workers)
 
 
 def test_without_redis_the_restarted_gcs_is_another_cluster_to_serve():
