@@ -4,12 +4,16 @@
 
 Each client loops over a mix a deployment sees: short and long completions, chats, streams read to the end and
 streams dropped after a few chunks, n=2 with logprobs, and bad requests (each must get its 4xx). Every
+``--kill-every-s`` seconds the engine's worker actor is killed (SIGKILL to its process): the engine must rebuild its
+workers and answer /health again within ``--recover-s``; the requests the dead worker was running end with the
+engine's "the worker group failed" error (a 503, or an error event in a stream) and are counted apart. Every
 ``--sample-s`` seconds it records the resident memory of the server's whole process tree (the CLI, Ray's GCS and
 raylet, the Serve controller, HAProxy, the ingress and engine replicas, the scheduler and worker actors) by process
 kind, and the request and error counts. At the end the load stops, the server drains, and its /metrics must show
 no request left, every KV slot free and no page holding tokens (pages free slots keep mapped for their next request
 are reclaimable, and reported). A table, ``bench/results/<name>.json`` and a PNG of memory over time.
-Unexpected errors: any 5xx, any transport error on a request not dropped on purpose, a bad request not refused.
+Unexpected errors: any other 5xx, any transport error on a request not dropped on purpose, a bad request not
+refused, a killed worker not recovered.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ BAD = [  # (body changes, the status it must get)
     ({"max_tokens": -1}, 400), ({"temperature": -2}, 400), ({"model": "nope"}, 404), ({"n": 1000}, 400),
     ({"prompt": "x " * 5000}, 400), ({"logit_bias": {"999999999": 5}}, 400),
 ]
+LOST = "the worker group failed"  # what the engine tells the requests a killed worker was running
 
 
 def process_kind(p: psutil.Process) -> str:
@@ -104,7 +109,9 @@ async def one(session: aiohttp.ClientSession, url: str, kind: str, rng: random.R
                 stats["dropped"] += 1
                 return
             text = await r.text()
-            if r.status != expect:
+            if LOST in text and (r.status == 503 or kind == "stream"):
+                stats["lost_to_kill"] += 1
+            elif r.status != expect:
                 errors.append(f"{kind}: {r.status} (wanted {expect}): {text[:200]}")
             elif kind in ("stream",) and not text.rstrip().endswith("data: [DONE]"):
                 errors.append(f"{kind}: stream ended without [DONE]: {text[-200:]}")
@@ -134,6 +141,34 @@ async def sampler(root: psutil.Process, start: float, stop: float, every: float,
         if time.monotonic() >= stop:
             return
         await asyncio.sleep(min(every, max(0.0, stop - time.monotonic())))
+
+
+async def killer(root: psutil.Process, url: str, start: float, stop: float, every: float, recover: float,
+                 kills: list[dict], errors: list[str]) -> None:
+    """Every ``every`` seconds: SIGKILL the worker actor's process, then wait for /health to answer 200 again."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        while (at := start + every * (len(kills) + 1)) < stop:
+            await asyncio.sleep(at - time.monotonic())
+            workers = [p for p in root.children(recursive=True) if process_kind(p) == "WorkerActor"]
+            if not workers:
+                errors.append("killer: no worker actor process to kill")
+                return
+            workers[0].kill()
+            killed, recovered = time.monotonic(), None
+            while recovered is None and time.monotonic() - killed < recover:
+                await asyncio.sleep(0.5)
+                try:
+                    async with session.get(url + "/health") as r:
+                        fresh = [p for p in root.children(recursive=True) if process_kind(p) == "WorkerActor"]
+                        if r.status == 200 and fresh and fresh[0].pid != workers[0].pid:
+                            recovered = time.monotonic() - killed
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+            kills.append({"t_s": killed - start, "pid": workers[0].pid, "recovered_s": recovered})
+            print(f"[{(killed - start) / 60:5.1f} min] killed worker {workers[0].pid}: "
+                  + (f"serving again after {recovered:.1f} s" if recovered is not None else "NOT recovered"), flush=True)
+            if recovered is None:
+                errors.append(f"killer: the engine did not recover within {recover} s of a worker's kill")
 
 
 def start_server(port: int, args) -> subprocess.Popen:
@@ -195,19 +230,24 @@ def main() -> None:
     parser.add_argument("--kv-memory", default="64MiB")
     parser.add_argument("--log", default="/tmp/vattn_soak_server.log")
     parser.add_argument("--name", default="soak_cpu")
+    parser.add_argument("--kill-every-s", type=float, default=300, help="kill the worker actor this often (0: never)")
+    parser.add_argument("--recover-s", type=float, default=120, help="a killed worker's engine must serve again within")
+    parser.add_argument("--out-dir", type=Path, default=report.RESULTS)
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     server = start_server(port, args)
-    stats, errors, samples = Counter(), [], []
+    stats, errors, samples, kills = Counter(), [], [], []
     try:
         start = time.monotonic()
         stop = start + args.minutes * 60
 
         async def run() -> None:
-            await asyncio.gather(sampler(psutil.Process(server.pid), start, stop, args.sample_s, stats, errors, samples),
+            root = psutil.Process(server.pid)
+            chaos = [killer(root, url, start, stop, args.kill_every_s, args.recover_s, kills, errors)] if args.kill_every_s else []
+            await asyncio.gather(sampler(root, start, stop, args.sample_s, stats, errors, samples), *chaos,
                                  *(client(url, seed, stop, stats, errors) for seed in range(args.clients)))
 
         asyncio.run(run())
@@ -233,11 +273,13 @@ def main() -> None:
         "minutes": args.minutes, "clients": args.clients, "mix": MIX, "requests_by_kind": dict(stats),
         "unexpected_errors": errors[:200], "unexpected_error_count": len(errors),
         "rss_growth_from_minute": {"minute": since, "growth": growth}, "after_drain": after, "samples": samples,
-        "command": " ".join(sys.argv),
-    })
+        "kills": kills, "lost_to_kills": stats["lost_to_kill"], "command": " ".join(sys.argv),
+    }, args.out_dir)
     plot(samples, out.with_suffix(".png"))
     print(f"resident memory growth from minute {since} to the end: {100 * growth:+.1f}%; "
-          f"unexpected errors: {len(errors)}; after drain: {json.dumps(after)}")
+          f"unexpected errors: {len(errors)}; workers killed {len(kills)}, recovered "
+          f"{sum(k['recovered_s'] is not None for k in kills)} (requests lost with them: {stats['lost_to_kill']}); "
+          f"after drain: {json.dumps(after)}")
 
 
 if __name__ == "__main__":
