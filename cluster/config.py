@@ -78,6 +78,9 @@ class EngineConfig:
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
     async_scheduling: bool | None = None
+    # The same request gives the same tokens whatever else is in the batch, however its prompt is chunked, preempted
+    # or not: batch-invariant matmuls, attention ("invariant") and all-reduce (docs/deterministic.md).
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,19 +257,30 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     layout = config.kv_layout
     # FlashAttention's kernels take 16-bit floats only: a float32 engine defaults to the reference attention.
     flash_dtype = dtype_name in ("bfloat16", "float16")
-    attention = config.attention or (_fastest(layout, model.head_dim) if device == "cuda" and flash_dtype else "torch")
+    if not isinstance(config.deterministic, bool):
+        raise ValueError(f"deterministic must be a bool, got {config.deterministic!r}")
+    if config.deterministic and config.attention not in (None, "invariant"):
+        raise ValueError(f"deterministic=True runs the batch-invariant attention ('invariant'); attention="
+                         f"{config.attention!r} sums in an order that depends on the batch")
+    if config.deterministic:
+        attention = "invariant"
+    else:
+        attention = config.attention or (_fastest(layout, model.head_dim) if device == "cuda" and flash_dtype else "torch")
+    if attention == "invariant" and device == "cuda" and layout == "paged":
+        raise ValueError("attention 'invariant' reads a virtual KV layout (mega/per_layer) on CUDA, got kv_layout='paged'")
     if attention in IN_PLACE and (layout == "paged" or device != "cuda"):
         raise ValueError(f"attention {attention!r} needs a virtual KV layout (mega/per_layer) on CUDA")
     if attention in PAGED_KERNELS and (layout != "paged" or device != "cuda"):
         raise ValueError(f"attention {attention!r} needs the paged KV layout on CUDA")
-    in_place = (*IN_PLACE, *PAGED_KERNELS)  # kernels that read the cache where it is (their reads fit a CUDA graph)
+    # kernels that read the cache where it is (their reads fit a CUDA graph)
+    in_place = (*IN_PLACE, *PAGED_KERNELS, *(("invariant",) if device == "cuda" else ()))
     if attention.startswith("flashinfer") and model.head_dim not in FLASHINFER_HEAD_DIMS:
         raise ValueError(f"attention {attention!r} has kernels for head_dim {' / '.join(map(str, FLASHINFER_HEAD_DIMS))}, "
                          f"got {model.head_dim}")
-    if attention in in_place and model.head_dim % 8:
+    if attention in (*IN_PLACE, *PAGED_KERNELS) and model.head_dim % 8:
         # FlashAttention pads such heads, and padding a K/V cache copies all of it, unmapped pages too.
         raise ValueError(f"attention {attention!r} needs head_dim a multiple of 8, got {model.head_dim}")
-    if device == "cuda" and (attention in in_place or attention == "paged") and not flash_dtype:
+    if device == "cuda" and (attention in (*IN_PLACE, *PAGED_KERNELS) or attention == "paged") and not flash_dtype:
         raise ValueError(f"attention {attention!r} runs FlashAttention kernels, which take float16 or bfloat16: got "
                          f"dtype={dtype_name!r} (attention='torch' runs float32)")
     for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching", "zero_unmapped"):
@@ -308,7 +322,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                      deferred_reclamation=config.deferred_reclamation, zero_unmapped=config.zero_unmapped,
                      kv_guard_tokens=config.kv_guard_tokens if config.zero_unmapped else None,
                      seed=config.seed, progress=config.progress,
-                     load_format=config.load_format, fills_placeholders=overlap)
+                     load_format=config.load_format, fills_placeholders=overlap, deterministic=config.deterministic)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]

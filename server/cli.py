@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
             page_size=args.page_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
             placement_strategy=args.placement_strategy, enable_prefix_caching=args.enable_prefix_caching,
-            enforce_eager=args.enforce_eager, num_replicas=args.num_replicas,
+            enforce_eager=args.enforce_eager, deterministic=args.deterministic, num_replicas=args.num_replicas,
             ingress_replicas=args.ingress_replicas,
             api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,
             max_pending=args.max_pending, tool_call_parser=args.tool_call_parser, seed=args.seed,

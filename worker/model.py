@@ -12,7 +12,7 @@ from torch import nn
 
 from worker.attention import AttentionStep
 from worker.config import ModelConfig
-from worker.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from worker.parallel import ColumnParallelLinear, Linear, RowParallelLinear, TPGroup
 from worker.kernels import rms_norm, rope_qk, silu_mul
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -92,7 +92,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, j, tp) for j in range(len(self.layer_range)))
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
         """``x``: token ids ``[tokens]`` on the first stage, hidden states ``[tokens, hidden]`` after;
@@ -101,6 +101,14 @@ class Transformer(nn.Module):
         for block in self.layers:
             h, residual = block(h, residual, rope, attn)
         return h if residual is None else h + residual
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every matmul batch-invariant (``worker.batch_invariant``) or the library's, from now on (the worker
+        that runs the model sets it: ``deterministic=True``). The other kernels are batch-invariant either way:
+        RMSNorm and the sampler reduce within a row, the rest is elementwise."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = on
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h)).float()

@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from worker import batch_invariant
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
+    # Sums in rank order (``deterministic=True``): NCCL's ring and tree add a chunk's partial sums in an order
+    # that depends on which chunk an element falls in, so on the tensor's size, so on the batch.
+    ordered: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -32,9 +38,15 @@ class TPGroup:
             return x
         import torch.distributed as dist
 
-        dist.all_reduce(x, group=self.group)
-        return x
-
+        if not self.ordered or self.size == 2:  # a + b == b + a: two ranks' sum is the same whatever the order
+            dist.all_reduce(x, group=self.group)
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return x.copy_(total)
 
     def failed_rank(self, failed: bool, device: torch.device) -> int | None:
         """The highest rank that says ``failed``, or None (every rank must call it, as with any collective)."""
@@ -47,14 +59,26 @@ class TPGroup:
         return int(t.item()) - 1 if t.item() else None
 
 
-class ColumnParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product is the batch-invariant one (``worker.batch_invariant``) while
+    ``batch_invariant`` is set (``Transformer.set_batch_invariant``)."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return batch_invariant.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(Linear):
     """Output features split over the TP ranks; each rank computes its slice."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, **kw):
         super().__init__(in_features, tp.split(out_features, "out_features"), bias=bias, **kw)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Input features split over the TP ranks; partial sums all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, **kw):

@@ -69,6 +69,7 @@ class WorkerConfig:
     # Async scheduling: a step's input may end a sequence's chunk with ``PLACEHOLDER``, the token this worker
     # sampled for it last (the scheduler has not seen it yet); so every TP rank samples.
     fills_placeholders: bool = False
+    deterministic: bool = False  # batch-invariant matmuls and all-reduce (the plan picks the invariant attention)
 
 
 class Worker:
@@ -78,9 +79,10 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device)
         self._backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
-        tp = self.tp = TPGroup(config.tp_rank, config.tp_size, tp_group)
+        tp = self.tp = TPGroup(config.tp_rank, config.tp_size, tp_group, ordered=config.deterministic)
         self.model = model or build_model(config.model, config.dtype, self.device, tp, config.layers, config.seed,
                                           config.progress, config.load_format)
+        self.model.set_batch_invariant(config.deterministic)  # a model handed in may have run in the other mode
         self.cache = None
         if config.pool_bytes is not None:
             self.allocate(config.pool_bytes)

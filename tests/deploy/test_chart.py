@@ -154,6 +154,13 @@ def test_prefix_caching_is_on_by_default_and_a_value_turns_it_off():
         assert ServeArgs.parse(app["args"]).engine().enable_prefix_caching is on
 
 
+def test_deterministic_is_off_by_default_and_a_value_turns_it_on():
+    for values, on in (({}, False), ({"engine": {"deterministic": True}}, True)):
+        (app,) = yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"])["applications"]
+        assert app["args"]["deterministic"] is on
+        assert ServeArgs.parse(app["args"]).engine().deterministic is on
+
+
 def test_the_api_key_comes_from_the_secret_into_every_ray_pod_and_the_test_pod():
     objects = render({"apiKey": {"secretName": "vattn-key", "secretKey": "token"}})
     service = one(objects, "RayService")["spec"]["rayClusterConfig"]

@@ -132,6 +132,8 @@ def test_vllm_spellings_of_the_engine_options_and_the_gpu_default_pool():
     assert kv_size(sized, "cuda") == {"kv_memory": 2 << 30, "kv_memory_fraction": None}
     eager = engine_config(_parser().parse_args(["generate", "--prompt", "a", "--enforce-eager"]), "cuda")
     assert eager["cuda_graphs"] is False and eager["kv_memory_fraction"] == 0.9
+    assert engine_config(_parser().parse_args(["generate", "--prompt", "a", "--deterministic"]), "cpu")["deterministic"]
+    assert _parser().parse_args(["serve", "--deterministic"]).deterministic
 
 
 def test_gpu_memory_utilization_is_vllms_flag_for_the_pool_and_takes_no_other_size():

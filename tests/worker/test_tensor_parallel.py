@@ -61,3 +61,32 @@ def test_two_ranks_give_the_single_rank_logits(tmp_path):
 def test_tp_size_must_divide_heads():
     with pytest.raises(ValueError, match="num_heads=4 does not split over TP size 3"):
         build_model("tiny", torch.float32, tp=TPGroup(0, 3))
+
+
+def _partial(rank: int, numel: int) -> torch.Tensor:
+    """Rank ``rank``'s partial sums: magnitudes far apart, so the order they are added in shows in the result."""
+    gen = torch.Generator().manual_seed(1000 * numel + rank)
+    return torch.randn(numel, generator=gen) * 10.0 ** (3 * (rank % 3))
+
+
+def _ordered_rank(rank: int, size: int, init: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        tp = TPGroup(rank, size, ordered=True)
+        torch.save({n: tp.all_reduce(_partial(rank, n)) for n in (1, 7, 1000, 65537)}, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_ordered_all_reduce_adds_the_ranks_partials_in_rank_order_at_every_size(tmp_path):
+    """``deterministic=True`` with more than two ranks: each element is (p0 + p1) + p2 on every rank, whatever the
+    tensor's size (a ring or tree all-reduce starts an element's sum at a rank that depends on its chunk)."""
+    out = str(tmp_path / "sums")
+    mp.spawn(_ordered_rank, args=(3, f"file://{tmp_path}/rendezvous", out), nprocs=3, join=True)
+    for rank in range(3):
+        got = torch.load(f"{out}.{rank}")
+        for n, total in got.items():
+            want = _partial(0, n)
+            for r in range(1, 3):
+                want = want + _partial(r, n)
+            assert torch.equal(total, want), (rank, n)

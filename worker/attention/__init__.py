@@ -26,7 +26,7 @@ class AttentionBackend(Protocol):
 IN_PLACE = ("fa2", "flash_attn", "flashinfer", "fa3")  # CUDA kernels that read a virtual cache's slots where they are
 PAGED_KERNELS = ("flash_attn_paged", "flashinfer_paged")  # CUDA kernels that read a paged cache's blocks through block tables
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's prefill kernels are built for (32 fails at run time)
-BACKENDS = ("torch", "paged", *IN_PLACE, *PAGED_KERNELS)
+BACKENDS = ("torch", "paged", "invariant", *IN_PLACE, *PAGED_KERNELS)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
@@ -37,11 +37,13 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
     ``flashinfer`` / ``flashinfer_paged`` (FlashInfer's prefill kernel, FA3 on Hopper, over the virtual cache's
     slots as pages / the paged cache's blocks; flash-attn's decode), ``fa3`` (FlashAttention-3's KV-cache kernel,
     Hopper: every step in one call over the virtual cache; flash-attn's decode for the all-decode steps where
-    FA3 was built without decode tiles)."""
+    FA3 was built without decode tiles), ``invariant`` (batch-invariant, for ``deterministic=True``: one Triton
+    kernel for every step over a virtual cache on CUDA, a query at a time on CPU)."""
     from worker.attention.fa2 import FA2Attention, PagedGatherFA2
     from worker.attention.fa3 import FA3KVCache
     from worker.attention.flash_attn_kvcache import FlashAttnKVCache, FlashAttnPaged
     from worker.attention.flashinfer import FlashInferKVCache, FlashInferPaged
+    from worker.attention.invariant import InvariantAttention
     from worker.attention.reference import ReferenceAttention
 
     cuda = torch.device(device).type == "cuda"
@@ -59,6 +61,8 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
     if name in (*IN_PLACE, *PAGED_KERNELS) and not cuda:
         raise ValueError(f"attention backend {name!r} needs a CUDA device")
+    if name == "invariant":
+        return InvariantAttention(device)
     return backends[name]()
 
 

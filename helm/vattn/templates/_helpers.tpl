@@ -104,6 +104,7 @@ applications:
       {{- end }}
       placement_strategy: {{ .Values.engine.placementStrategy }}
       enable_prefix_caching: {{ .Values.engine.enablePrefixCaching }}
+      deterministic: {{ .Values.engine.deterministic }}
       num_replicas: {{ .Values.serve.numReplicas }}
       ingress_replicas: {{ .Values.serve.ingressReplicas }}
       max_pending: {{ .Values.serve.maxPending }}
