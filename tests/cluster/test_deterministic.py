@@ -34,7 +34,7 @@ def outputs(params: list[SamplingParams], deterministic: bool = True, **options)
     """Each request's (token ids, logprobs), and how many preemptions the run took."""
     with LLM("tiny", deterministic=deterministic, **{**BASE, **options}) as llm:
         outs = llm.generate(prompts(), params)
-        preemptions = llm.scheduler.num_preemptions
+        preemptions = llm.snapshot().num_preemptions
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs], preemptions
 
 
@@ -70,7 +70,7 @@ def test_on_cuda_in_bf16_with_graphs_every_request_is_the_same_in_every_batch(tm
     assert engine.attention == "invariant" and engine.cuda_graphs
     rng = random.Random(0)
     requests = [{"prompt_token_ids": [rng.randint(3, 500) for _ in range(rng.randint(20, 300))]} for _ in range(24)]
-    params = [SamplingParams(max_tokens=rng.randint(10, 150), temperature=t, seed=k, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(max_tokens=rng.randint(10, 150), temperature=t, top_p=0.95, seed=k, ignore_eos=True, logprobs=2)
               for k, t in enumerate([0.0, 0.9] * 12)]
     gpu = dict(load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=512, deterministic=True)
     runs = {}

@@ -61,6 +61,8 @@ class FA3KVCache(FlashAttnKVCache):
     def __init__(self):
         self._fa3 = import_fa3().flash_attn_with_kvcache  # first: without FA3 the error names it, not flash-attn
         self.fa3_decodes = has_decode_tiles()
+        # KV splits of an all-decode step (0: FA3's heuristic); VATTN_FA3_DECODE_SPLITS sets it, for measurement.
+        self.decode_splits = int(os.environ.get("VATTN_FA3_DECODE_SPLITS", "0"))
         super().__init__()
         self._tabled: AttentionMetadata | None = None  # the step the page table is for (every layer shares it)
         self._table: torch.Tensor | None = None
@@ -74,5 +76,9 @@ class FA3KVCache(FlashAttnKVCache):
             self._table = meta.slots[:, None] * (meta.slot_tokens // page) + pages
             self._tabled = meta
         k_pages, v_pages = k_rows.unflatten(0, (-1, page)), v_rows.unflatten(0, (-1, page))
+        # A CUDA-graph step's table spans max_model_len, and FA3 sizes its KV split by the table: the decode-heavy
+        # workload's wall moved with max_model_len (docs/performance.md). An explicit split count is the A/B.
+        splits = self.decode_splits if meta.max_query_len == 1 else 0
         return self._fa3(q, k_pages, v_pages, cache_seqlens=meta.seqused_k, page_table=self._table,
-                         cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_query_len, causal=True)
+                         cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_query_len, causal=True,
+                         num_splits=splits)
