@@ -264,9 +264,11 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
     marks = [m for m in (1, 10, 30) if m < args.minutes] + [args.minutes]
-    at = {m: min(samples[:-1], key=lambda s: abs(s["t_s"] - 60 * m)) for m in marks}
+    # A sample taken while a killed worker is being replaced misses that worker's process: not a mark.
+    steady = [s for s in samples[:-1] if not any(0 <= s["t_s"] - k["t_s"] <= (k["recovered_s"] or 0) + 30 for k in kills)]
+    at = {m: min(steady or samples[:-1], key=lambda s: abs(s["t_s"] - 60 * m)) for m in marks}
     since = 10 if 10 in marks else marks[0]
-    growth = (samples[-2]["total_rss"] - at[since]["total_rss"]) / at[since]["total_rss"]
+    growth = (at[marks[-1]]["total_rss"] - at[since]["total_rss"]) / at[since]["total_rss"]
     rows = [[f"{m:g}", s["total_rss"] / 2**20, s["requests"], s["errors"]] for m, s in at.items()]
     rows.append(["after drain", samples[-1]["total_rss"] / 2**20, samples[-1]["requests"], len(errors)])
     out = report.write(args.name, ["minute", "resident MiB", "requests", "unexpected errors"], rows, {

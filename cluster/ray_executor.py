@@ -34,6 +34,8 @@ def _describe(exc: BaseException) -> str:
 
 # NVLink multicast (NVLS) breaks on the lent GPU machines; every process of the group keeps it off.
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+CHANNEL_BUFFERS = 3  # compiled-graph executions in flight at most (the engine has two, or one and a drain)
+CHANNEL_BYTES = 256 << 10  # a channel buffer: a step of 8192 prompt tokens pickles to ~60 KB
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,12 @@ class RayExecutor:
                 outputs += [a.report.bind(node) for a, node in zip(stage, nodes)]
                 hidden = nodes[0]  # TP ranks of a stage end equal (all-reduced): rank 0's goes on
             dag = MultiOutputNode(outputs)
-        return dag.experimental_compile(_submit_timeout=self.step_timeout_s)
+        # Ray frees no channel buffer when a graph is torn down (ray-project/ray#43836), and each rebuild after a lost
+        # worker compiles a new graph: a channel holds one buffer per execution in flight (Ray's default: 10 of 1 MB),
+        # which the engine never needs (a step and the one launched behind it, or a drain), so a rebuild leaves
+        # CHANNEL_BUFFERS x CHANNEL_BYTES a channel behind instead of 10 MB. A larger message grows its channel.
+        return dag.experimental_compile(_submit_timeout=self.step_timeout_s, _max_inflight_executions=CHANNEL_BUFFERS,
+                                        _buffer_size_bytes=CHANNEL_BYTES)
 
     # -- steps ---------------------------------------------------------------------------------
     def submit(self, step: StepInput) -> "RayPendingStep | AheadPendingStep":
