@@ -14,6 +14,8 @@ shape, so one row's sums run in another order, and round otherwise, in another b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +26,22 @@ except ImportError:  # CPU machines: the blocked library product
     triton = None
 
 CPU_ROWS = 16
-BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The CUDA kernel's launch constants. Only ``block_k`` (with the instruction ``tl.dot`` picks) sets a row's
+    reduction order; the others set how the work is cut and scheduled."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+TILES = Tiles()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,16 +69,17 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles = TILES) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+        grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
         _matmul_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k,
                              x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-                             HAS_BIAS=bias is not None, PRECISION=precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                             GROUP_M=GROUP_M, num_warps=8, num_stages=3)
+                             HAS_BIAS=bias is not None, PRECISION=precision(x.dtype), BLOCK_M=tiles.block_m,
+                             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
