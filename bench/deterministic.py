@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ray", action="store_true", help="also run the agreement on the Ray engine (cap 7)")
     parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--name", default="deterministic")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -124,7 +125,7 @@ def main() -> None:
     # Prefix caching off: every run sends the same prompts, and hits would make the later runs mostly decode.
     base = dict(device=args.device, max_model_len=args.max_prompt + max(args.output, args.agreement_output),
                 max_num_batched_tokens=8192, kv_memory=int(args.kv_memory_gib * GiB), enable_prefix_caching=False)
-    rows, raw = agreement(model, args.model, prompts, args, base)
+    rows, raw = ([], {}) if args.skip_agreement else agreement(model, args.model, prompts, args, base)
     walls = {} if args.skip_cost else cost(model, args, base)
     if walls:
         ratio = statistics.mean(walls["deterministic"]) / statistics.mean(walls["default"])

@@ -6,7 +6,7 @@ returns the tokens); the gap between kernel time and the floor is the kernels' o
 ops, attention). Floors as in ``throughput.py``: prefill FLOPs over the measured matmul rate; decode weights + KV
 bytes over the measured copy bandwidth. In-process engine (the profiler sees this process's kernels only).
 
-    python bench/step_profile.py [--layout mega] [--attention fa2] [--steps 24]
+    python bench/step_profile.py [--layout mega] [--attention fa2] [--deterministic] [--steps 24]
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b", choices=sorted(PRESETS))
     parser.add_argument("--layout", default="mega")
     parser.add_argument("--attention")
+    parser.add_argument("--deterministic", action="store_true", help="the batch-invariant mode (docs/deterministic.md)")
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--steps", type=int, default=24, help="decode steps profiled")
     parser.add_argument("--output", type=int, default=128)
@@ -89,7 +90,7 @@ def main() -> None:
     prompts = random_prompts(config, args.requests, 512, 2048)  # W1's
     ceil = ceilings()
     params, weight_bytes, kv_token = model_sizes(config)
-    with LLM(args.model, kv_layout=args.layout, attention=args.attention, kv_memory=40 * GiB, device="cuda",
+    with LLM(args.model, kv_layout=args.layout, attention=args.attention, deterministic=args.deterministic, kv_memory=40 * GiB, device="cuda",
              dtype="bfloat16", max_num_seqs=args.requests, max_model_len=2048 + args.output,
              max_num_batched_tokens=args.max_num_batched_tokens,
              # each step is timed on its own: launched ahead, a step's tokens come back with the next step
@@ -126,7 +127,8 @@ def main() -> None:
         print(f"\n{label}: top kernels (s over the profiled steps, calls)")
         for name, t, c in r["top_kernels"]:
             print(f"  {t * 1e3:9.2f} ms {c:6d}  {name[:110]}")
-    data = {"model": args.model, "layout": args.layout, "attention": args.attention, "requests": args.requests,
+    data = {"model": args.model, "layout": args.layout, "attention": args.attention, "deterministic": args.deterministic,
+            "requests": args.requests,
             "async_scheduling": False, "outputs_every_step": args.outputs_every_step,
             "ceilings": ceil, "prefill": prefill, "decode": decode,
             "decode_context_tokens": context, "weight_bytes": weight_bytes}

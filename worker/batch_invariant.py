@@ -5,8 +5,11 @@ A library matmul is not: BLAS and cuBLAS pick their kernel, tiling and split of 
 shape, so one row's sums run in another order, and round otherwise, in another batch (on this CPU, a row of a
 4096 x 1024 float32 product differs in 3,143 of its 4,096 values between a call of one row and a call of two).
 
-- CUDA: one Triton kernel whose tiles and reduction order are constants -- every output element sums its K
-  products in ``BLOCK_K`` steps from 0 up, whatever M is (no split-K, no autotuning, M not specialised on).
+- CUDA: one Triton kernel whose reduction order is a constant -- every output element sums its K products in
+  ``BLOCK_K`` steps from 0 up, whatever M is (no split-K). How the output is cut into tiles does not touch that
+  order, so the tiling is chosen by the row count (``tiles``): small tiles keep every SM busy on a decode batch,
+  large ones make a prefill chunk compute-bound (on the H100 every tiling gives the same bits:
+  ``bench/results/batch_invariant_matmul_h100.json``; the GPU tests check it for each tiling used here).
 - CPU: the library's product over blocks of exactly ``CPU_ROWS`` rows, the last one padded: every call has the same
   shape, so the library takes the same path for each, and a row's result does not depend on its place in the
   block (the test suite checks both on the machine it runs on). It does depend on the thread count.
@@ -41,7 +44,17 @@ class Tiles:
     num_stages: int = 3
 
 
-TILES = Tiles()
+# (most rows, tiling) in order, the last one for any more rows; BLOCK_K is 64 in all: it sets the reduction order.
+TILINGS = (
+    (64, Tiles(block_m=16, block_n=32, num_warps=4, num_stages=6)),
+    (256, Tiles(block_m=64, block_n=64, num_warps=4, num_stages=4)),
+    (None, Tiles(block_m=128, block_n=256, num_warps=8, num_stages=3)),
+)
+
+
+def tiles(rows: int) -> Tiles:
+    """The tiling of a product of ``rows`` rows."""
+    return next(t for most, t in TILINGS if most is None or rows <= most)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,17 +82,18 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles = TILES) -> torch.Tensor:
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiling: Tiles | None = None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+        t = tiling or tiles(m)
+        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
         _matmul_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k,
                              x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-                             HAS_BIAS=bias is not None, PRECISION=precision(x.dtype), BLOCK_M=tiles.block_m,
-                             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                             HAS_BIAS=bias is not None, PRECISION=precision(x.dtype), EVEN_K=k % t.block_k == 0,
+                             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                             num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 
@@ -88,7 +102,7 @@ if triton is not None:
     # M is not specialised on: a row count divisible by 16 must not compile another kernel than one that is not.
     @triton.jit(do_not_specialize=["M"])
     def _matmul_kernel(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_wn, stride_wk, stride_cm,
-                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)
@@ -106,8 +120,12 @@ if triton is not None:
         w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            a = tl.load(a_ptrs, mask=(rows[:, None] < M) & (ks[None, :] < K - k0), other=0.0)
-            w = tl.load(w_ptrs, mask=(ks[:, None] < K - k0) & (cols[None, :] < N), other=0.0)
+            if EVEN_K:  # no mask along K: the loads vectorise fully
+                a = tl.load(a_ptrs, mask=rows[:, None] < M, other=0.0)
+                w = tl.load(w_ptrs, mask=cols[None, :] < N, other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=(rows[:, None] < M) & (ks[None, :] < K - k0), other=0.0)
+                w = tl.load(w_ptrs, mask=(ks[:, None] < K - k0) & (cols[None, :] < N), other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk

@@ -1,6 +1,7 @@
 """The kernels of ``deterministic=True``: a row's result does not depend on the batch around it, bit for bit.
 
-- ``worker.batch_invariant.linear``: a row alone, and at any place among 1 to 299 others.
+- ``worker.batch_invariant.linear``: a row alone, and at any place among 1 to 299 others (row counts that take
+  each of the CUDA kernel's tilings).
 - The ``invariant`` attention: a query's output is the same computed in a whole prefill, in a prefill chunk of any
   size, in a decode step, alone or beside other sequences' prefills and decodes.
 
