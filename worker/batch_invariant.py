@@ -17,6 +17,7 @@ shape, so one row's sums run in another order, and round otherwise, in another b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU machines: the blocked library product
     triton = None
 
@@ -42,6 +44,9 @@ class Tiles:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False  # operands loaded by the Hopper tensor-memory accelerator (bf16/fp16, 16-byte aligned rows)
+    persistent: bool = False  # with ``tma``: one program an SM, walking the tiles
+    warp_specialize: bool = False  # with ``persistent``: producer and consumer warps
 
 
 # (most rows, tiling) in order, the last one for any more rows; BLOCK_K is 64 in all: it sets the reduction order.
@@ -88,6 +93,9 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         t = tiling or tiles(m)
+        if t.tma and _tma_fits(x, weight):
+            _matmul_tma(x, weight, bias, out, t)
+            return out
         grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
         _matmul_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k,
                              x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
@@ -95,6 +103,29 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
                              BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
                              num_warps=t.num_warps, num_stages=t.num_stages)
     return out
+
+
+def _tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The tensor-memory accelerator takes 2-byte operands whose rows start 16-byte aligned."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and all(t.stride(-1) == 1 and t.stride(0) % 8 == 0
+            and t.data_ptr() % 16 == 0 for t in (x, weight)))
+
+
+def _matmul_tma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, t: Tiles) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    tiles_total = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    programs = min(tiles_total, _sm_count(x.device)) if t.persistent else tiles_total
+    _matmul_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [t.block_m, t.block_k]), TensorDescriptor.from_tensor(weight, [t.block_n, t.block_k]),
+        bias if bias is not None else x, out, m, n, k, out.stride(0), programs, HAS_BIAS=bias is not None,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, WARP_SPECIALIZE=t.warp_specialize,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 if triton is not None:
@@ -133,3 +164,30 @@ if triton is not None:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    @triton.jit(do_not_specialize=["M", "PROGRAMS"])
+    def _matmul_tma_kernel(a_desc, w_desc, bias_ptr, c_ptr, M, N, K, stride_cm, PROGRAMS, HAS_BIAS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           WARP_SPECIALIZE: tl.constexpr):
+        # The same sums as _matmul_kernel's, in the same order (BLOCK_K steps from 0 up); the loads past the edges
+        # read zeros.
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=not WARP_SPECIALIZE,
+                             warp_specialize=WARP_SPECIALIZE):
+            first_m = (tile // per_group) * GROUP_M
+            group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+            pid_m = first_m + (tile % per_group) % group_rows
+            pid_n = (tile % per_group) // group_rows
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([pid_m * BLOCK_M, k0])
+                w = w_desc.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(a, w.T, acc)
+            rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=(rows[:, None] < M) & (cols[None, :] < N))
