@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import faulthandler
 
-import report
 import torch
 import torch.nn.functional as F
-from timing import queued_ms
 
+import report
+from timing import queued_ms
 from worker.batch_invariant import Tiles, _matmul, tiles
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
