@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -91,20 +93,30 @@ def agreement(model, name: str, prompts, args, base: dict) -> tuple[list[list], 
     return rows, raw
 
 
-def cost(model, args, base: dict) -> dict[str, list[float]]:
+def cost(model, args, base: dict) -> tuple[dict[str, list[float]], dict[str, list[str]]]:
     prompts = random_prompts(PRESETS[args.model], 128, 512, 2048)
     params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
     engine = dict(base, max_num_seqs=128, kv_memory=int(args.kv_memory_gib * GiB))
     walls: dict[str, list[float]] = {"default": [], "deterministic": []}
-    for mode in ORDER:
+    compiled: dict[str, list[str]] = {}
+    for k, mode in enumerate(ORDER):
         gc.collect()
         with LLM(model, deterministic=mode == "deterministic", **engine) as llm:
-            llm.generate([p[:64] for p in prompts[:8]], params)  # warm-up: CUDA graphs, Triton kernels compiled
+            # Warm-up: whole prompts over several steps (prefill chunks, then mixed steps), as W1 runs them
+            llm.generate(prompts[:16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            before = triton_kernels()
             start = time.perf_counter()
             llm.generate(prompts, params)
             walls[mode].append(time.perf_counter() - start)
-        print(f"W1 {mode}: {walls[mode][-1]:.3f} s", flush=True)
-    return walls
+            compiled[f"{k}: {mode}"] = sorted(triton_kernels() - before)
+        print(f"W1 {mode}: {walls[mode][-1]:.3f} s; Triton kernels compiled while timed: {compiled[f'{k}: {mode}']}", flush=True)
+    return walls, compiled
+
+
+def triton_kernels() -> set[str]:
+    """The compiled kernels in Triton's cache: one compiled inside a timed run would be counted in its wall."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return {f"{p.parent.name[:8]}/{p.stem}" for p in cache.glob("*/*.json") if not p.name.startswith("__")}
 
 
 def main() -> None:
@@ -126,14 +138,14 @@ def main() -> None:
     base = dict(device=args.device, max_model_len=args.max_prompt + max(args.output, args.agreement_output),
                 max_num_batched_tokens=8192, kv_memory=int(args.kv_memory_gib * GiB), enable_prefix_caching=False)
     rows, raw = ([], {}) if args.skip_agreement else agreement(model, args.model, prompts, args, base)
-    walls = {} if args.skip_cost else cost(model, args, base)
+    walls, compiled = ({}, {}) if args.skip_cost else cost(model, args, base)
     if walls:
         ratio = statistics.mean(walls["deterministic"]) / statistics.mean(walls["default"])
         rows.append(["W1 cost", "deterministic / default wall", f"{ratio:.3f}x", statistics.mean(walls["deterministic"]), 0])
     report.write(args.name, ["sampling", "run", "alike (tokens and logprobs)", "wall s", "preemptions"], rows, {
         "workload": {"model": args.model, "agreement_requests": args.agreement_requests, "prompts": [args.min_prompt,
                      args.max_prompt], "agreement_output": args.agreement_output, "w1_output": args.output},
-        "engine": base, "agreement": raw, "order": ORDER, "walls_s": walls,
+        "engine": base, "agreement": raw, "order": ORDER, "walls_s": walls, "compiled_while_timed": compiled,
     })
 
 
