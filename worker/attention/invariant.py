@@ -113,7 +113,9 @@ def attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: 
 
 if triton is not None:
 
-    @triton.jit
+    # The per-step tables are read a word at a time, and where one starts depends on the step (a row of a packed
+    # upload): specialising on their alignment compiled new kernels in the middle of a run (W1 on the H100).
+    @triton.jit(do_not_specialize=["starts_ptr", "kv_lens_ptr", "cu_q_ptr", "tile_seq_ptr", "tile_q0_ptr"])
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, starts_ptr, kv_lens_ptr, cu_q_ptr, tile_seq_ptr, tile_q0_ptr,
                           stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ot, stride_oh,
                           qk_scale, GROUP: tl.constexpr, GROUP_P: tl.constexpr, TILE: tl.constexpr,
