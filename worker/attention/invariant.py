@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.metadata import AttentionMetadata
+from worker.attention.reference import gathered
 from worker.batch_invariant import precision
 from worker.staging import to_device
 
@@ -78,15 +79,11 @@ class InvariantAttention:
 
 def _per_query(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     out = torch.empty_like(q)
-    q_at = k_at = 0
-    for seq in meta.seqs:
-        rows = meta.kv_rows[k_at : k_at + seq.kv_len]
-        k, v = k_rows[rows].transpose(0, 1), v_rows[rows].transpose(0, 1)  # [Hkv, L, D]
+    for q_at, seq, k, v in gathered(k_rows, v_rows, meta):
         for j in range(seq.query_len):
             seen = seq.kv_len - seq.query_len + j + 1  # the query at that position sees these keys, no mask
             o = F.scaled_dot_product_attention(q[q_at + j, :, None], k[:, :seen], v[:, :seen], enable_gqa=True)
             out[q_at + j] = o[:, 0]
-        q_at, k_at = q_at + seq.query_len, k_at + seq.kv_len
     return out
 
 

@@ -3,10 +3,12 @@ dtype, any cache (virtual rows or paged block rows): the reference the fast back
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
-from worker.attention.metadata import AttentionMetadata
+from worker.attention.metadata import AttentionMetadata, SeqAttention
 
 
 class ReferenceAttention:
@@ -14,15 +16,22 @@ class ReferenceAttention:
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
-        q_at = k_at = 0  # offsets from the host-side seqs: reading cu_seqlens would sync a GPU every layer
-        for seq in meta.seqs:
-            rows = meta.kv_rows[k_at : k_at + seq.kv_len]
+        for q_at, seq, k, v in gathered(k_rows, v_rows, meta):
             qs = q[q_at : q_at + seq.query_len].transpose(0, 1)  # [H, n, D]
-            k, v = k_rows[rows].transpose(0, 1), v_rows[rows].transpose(0, 1)  # [Hkv, L, D]
             # Query j sits at position kv_len - query_len + j and sees every key up to it.
             offset = seq.kv_len - seq.query_len
             mask = torch.arange(seq.kv_len, device=q.device)[None, :] <= torch.arange(seq.query_len, device=q.device)[:, None] + offset
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
             out[q_at : q_at + seq.query_len] = o.transpose(0, 1)
-            q_at, k_at = q_at + seq.query_len, k_at + seq.kv_len
         return out
+
+
+def gathered(k_rows: torch.Tensor, v_rows: torch.Tensor,
+             meta: AttentionMetadata) -> Iterator[tuple[int, SeqAttention, torch.Tensor, torch.Tensor]]:
+    """For each sequence of the step: its first query row, its part of the step, and its keys and values gathered
+    from its rows, ``[Hkv, kv_len, D]`` each."""
+    q_at = k_at = 0  # offsets from the host-side seqs: reading cu_seqlens would sync a GPU every layer
+    for seq in meta.seqs:
+        rows = meta.kv_rows[k_at : k_at + seq.kv_len]
+        yield q_at, seq, k_rows[rows].transpose(0, 1), v_rows[rows].transpose(0, 1)
+        q_at, k_at = q_at + seq.query_len, k_at + seq.kv_len
