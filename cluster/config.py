@@ -100,6 +100,12 @@ class EnginePlan:
     async_scheduling: bool = False  # schedule and queue step k+1 while step k runs (see ``cluster.engine_core``)
 
     @property
+    def steps_in_flight(self) -> int:
+        """The most steps the engine keeps in flight: two with async scheduling, a micro-batch a pipeline stage with
+        pipeline parallelism, else one."""
+        return 2 if self.async_scheduling else self.scheduler.micro_batches
+
+    @property
     def is_sized(self) -> bool:
         return all(w.pool_bytes is not None for w in self.workers)
 
@@ -239,16 +245,16 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs distributed='ray'")
     # Checked before any worker starts (a bad value must not leave actors behind).
     max_model_len = min(config.max_model_len or model.max_context, model.max_context)
-    scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
-                                max_model_len, config.map_ahead)
     # In-process too: step k+1 is queued on the device behind step k (W1 on the H100: 1.40-1.46x the floor against
-    # 1.47-1.59x one step at a time, bench/results/w1_launch_ahead*_h100.json).
-    overlap = config.async_scheduling if config.async_scheduling is not None else pp == 1
+    # 1.47-1.59x one step at a time, bench/results/w1_launch_ahead*_h100.json). With pipeline stages the steps in flight
+    # are micro-batches of other sequences instead: the first stage would need the last stage's samples to continue
+    # the same ones.
+    overlap = config.async_scheduling if config.async_scheduling is not None else True
     if not isinstance(overlap, bool):
         raise ValueError(f"async_scheduling must be a bool or None, got {config.async_scheduling!r}")
-    if overlap and pp > 1:
-        # The first stage would need the last stage's sampled tokens before the next step could start.
-        raise ValueError(f"async_scheduling needs pipeline_parallel_size=1, got {pp}")
+    scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
+                                max_model_len, config.map_ahead, micro_batches=pp if overlap else 1)
+    overlap = overlap and pp == 1  # one stage: the next step continues the same sequences, on placeholders
     if config.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -52,8 +52,8 @@ class LLM:
     (``flash_attn`` over a virtual cache, ``flash_attn_paged`` over the paged layout's 256-token blocks), else
     torch's FA2 (``fa2``; ``paged``: gather + FA2 over 16-token blocks), and to ``torch`` on CPU.
     ``cuda_graphs`` (default: with a backend that reads the cache in place and one worker) replays decode steps
-    as CUDA graphs. With ``async_scheduling`` (default with one pipeline stage) step k+1 is scheduled and
-    queued on the device while step k runs.
+    as CUDA graphs. With ``async_scheduling`` (the default) step k+1 is scheduled and queued on the device
+    while step k runs; with pipeline stages it keeps a micro-batch of other sequences in flight a stage instead.
 
     ``distributed="ray"`` with ``tensor_parallel_size`` / ``pipeline_parallel_size``: one worker actor per
     (stage, rank) in one placement group (``placement_strategy``), driven by a scheduler actor. It joins

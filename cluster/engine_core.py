@@ -110,7 +110,8 @@ class EngineCore:
         self._deferred: Exception | None = None  # a failed flush, raised by the next step
         self._messages = itertools.count()  # numbers every StepInput (steps and flushes) for error messages
         self._in_flight: deque[InFlight] = deque()
-        self._depth = 2 if plan.async_scheduling else 1  # steps in flight at most
+        self._depth = plan.steps_in_flight
+        self.num_overlapped_steps = 0  # steps submitted while an earlier one was in flight
         self.num_steps = 0
         self.num_rebuilds = 0
         self.last_step: StepInfo | None = None
@@ -294,6 +295,7 @@ class EngineCore:
         step = self._step_input(out)
         with _step_annotation(info):
             pending = self.executor.submit(step)
+        self.num_overlapped_steps += bool(self._in_flight)
         late = ()
         if step.late_masks:
             ids = set(step.late_masks)
@@ -552,7 +554,8 @@ class EngineCore:
                               t.decode_step_seconds, t.decode_busy_seconds,
                               self.ledger.pages_in_use() / self.plan.num_pages if self.plan.num_pages else 0.0,
                               t.prompt_tokens, t.generation_tokens, dict(t.finished),
-                              {name: h.copy() for name, h in t.histograms.items()}, s.prefix_queries, s.prefix_hits)
+                              {name: h.copy() for name, h in t.histograms.items()}, s.prefix_queries, s.prefix_hits,
+                              self.num_overlapped_steps)
 
     def close(self) -> None:
         self.executor.close()

@@ -34,7 +34,7 @@ def _describe(exc: BaseException) -> str:
 
 # NVLink multicast (NVLS) breaks on the lent GPU machines; every process of the group keeps it off.
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-CHANNEL_BUFFERS = 3  # compiled-graph executions in flight at most (the engine has two, or one and a drain)
+CHANNEL_BUFFERS = 3  # compiled-graph executions in flight at most: the engine's steps in flight and a drain
 CHANNEL_BYTES = 256 << 10  # a channel buffer: a step of 8192 prompt tokens pickles to ~60 KB
 
 
@@ -180,9 +180,10 @@ class RayExecutor:
             dag = MultiOutputNode(outputs)
         # Ray frees no channel buffer when a graph is torn down (ray-project/ray#43836), and each rebuild after a lost
         # worker compiles a new graph: a channel holds one buffer per execution in flight (Ray's default: 10 of 1 MB),
-        # which the engine never needs (a step and the one launched behind it, or a drain), so a rebuild leaves
-        # CHANNEL_BUFFERS x CHANNEL_BYTES a channel behind instead of 10 MB. A larger message grows its channel.
-        return dag.experimental_compile(_submit_timeout=self.step_timeout_s, _max_inflight_executions=CHANNEL_BUFFERS,
+        # which the engine never needs (its steps in flight and a drain), so a rebuild leaves CHANNEL_BUFFERS x
+        # CHANNEL_BYTES a channel behind instead of 10 MB. A larger message grows its channel.
+        buffers = max(CHANNEL_BUFFERS, self.plan.steps_in_flight + 1)  # PP > 2: a micro-batch a stage
+        return dag.experimental_compile(_submit_timeout=self.step_timeout_s, _max_inflight_executions=buffers,
                                         _buffer_size_bytes=CHANNEL_BYTES)
 
     # -- steps ---------------------------------------------------------------------------------

@@ -12,6 +12,11 @@ A step's progress counts when it is scheduled, so the next step can be scheduled
 token back as a placeholder its worker fills in, and a sequence whose pending token is its last by length
 is left out. ``postprocess`` then drops a token sampled for a sequence that ended meanwhile (a stop token
 found one step late, an abort).
+
+With pipeline parallelism the steps in flight are micro-batches over disjoint sequences (``micro_batches``, vLLM's
+virtual engines): the first stage computes one while the next stage computes another. The first stage never sees the
+last stage's samples, so a sequence whose token is being sampled waits for it instead of taking a placeholder, and
+each step takes at most its share of ``max_num_seqs``, so that the steps in flight split the running sequences.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ class SchedulerConfig:
     swap_space_bytes: int = 4 << 30
     max_model_len: int | None = None  # None: as long as the ledger's slots
     map_ahead: bool = True  # False: each step's pages are mapped in the step (the baseline the mapper hides)
+    micro_batches: int = 1  # > 1: steps in flight over disjoint sequences, each of max_num_seqs / micro_batches at most
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "micro_batches"):
             value = getattr(self, name)
             if name == "max_model_len" and value is None:
                 continue
@@ -106,11 +112,11 @@ class Scheduler:
         self._fresh.clear()
         budget = self.config.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.step_seqs:
             seq = self.running[i]
             i += 1
-            if self.ends_in_flight(seq) or (seq.pending and seq.request.waits_for_its_last_token(self.late_masks)):
-                continue  # its next draw needs the token in flight (a grammar's mask, a bad word's ban)
+            if self.ends_in_flight(seq) or (seq.pending and self._waits(seq)):
+                continue  # its next step needs the token in flight
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._back(seq, seq.num_computed + n, out):
                 break  # seq itself was preempted: it was the last running one
@@ -120,6 +126,16 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit(budget, out)
         return out
+
+    @property
+    def step_seqs(self) -> int:
+        """The most sequences one step takes: a micro-batch's share of ``max_num_seqs``."""
+        return -(-self.config.max_num_seqs // self.config.micro_batches)
+
+    def _waits(self, seq: Sequence) -> bool:
+        """Whether ``seq``, its token being sampled, must wait for it: in micro-batches always (no placeholder), else
+        when its next draw needs the token (a grammar's mask, a bad word's ban)."""
+        return self.config.micro_batches > 1 or seq.request.waits_for_its_last_token(self.late_masks)
 
     def ends_in_flight(self, seq: Sequence) -> bool:
         """``seq``'s token being sampled is its last by length: it needs no further step."""
@@ -154,8 +170,11 @@ class Scheduler:
                     return False
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(out.scheduled) < self.step_seqs):
             seq = self.waiting[0]
+            if seq.pending and self.config.micro_batches > 1:
+                break  # preempted while its token was sampled: it comes back with that token (first come, first served)
             hit = self._cached_prefix(seq)
             try:
                 slot = self.kv.alloc_slot(self._full_length(seq), self.kv.slot_holding(hit[0]) if hit else None)

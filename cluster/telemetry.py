@@ -112,6 +112,7 @@ class EngineSnapshot:
     histograms: dict[str, Histogram] = field(default_factory=dict)  # by vLLM's metric name, without its prefix
     prefix_cache_queries: int = 0  # prompt tokens of sequences admitted to compute from their start
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    num_overlapped_steps: int = 0  # steps submitted while an earlier one was still in flight
 
 
 class Telemetry:

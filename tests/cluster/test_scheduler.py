@@ -127,6 +127,30 @@ def test_a_step_scheduled_while_the_last_one_runs():
     assert [(s.seq, s.start, s.num_tokens) for s in out.scheduled][0] == (child, 0, 17)  # computes the prompt anew
 
 
+def test_micro_batches_take_other_sequences_and_never_one_whose_token_is_in_flight():
+    """Pipeline parallelism, two micro-batches: the step scheduled while the first one runs takes other sequences (a
+    step at most half of max_num_seqs), never one whose token is still drawn (no placeholder: the first stage never
+    sees the last stage's samples); one preempted while its token was drawn comes back only with that token."""
+    ledger = PageLedger(SPEC, 6, keeps_pages_on_free=True)  # 6 pages of 16 tokens
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, micro_batches=2), ledger)
+    a, b = add(scheduler, list(range(3, 19))), add(scheduler, list(range(4, 20)))  # 16 tokens: a page each
+    c, d = add(scheduler, 32), add(scheduler, 31)  # two pages each
+    first = scheduler.schedule()
+    assert [(s.seq, s.num_tokens, s.num_samples) for s in first.scheduled] == [(a, 16, 1), (b, 16, 1)]
+    second = scheduler.schedule()
+    assert [(s.seq, s.num_tokens, s.num_samples) for s in second.scheduled] == [(c, 32, 1), (d, 31, 1)]
+    assert scheduler.schedule().scheduled == []  # every sequence waits for its token
+    scheduler.postprocess(first, sample_all(first))
+    third = scheduler.schedule()  # a's and b's 17th tokens need a page each: d, in flight, is preempted
+    assert [(s.seq, s.start, s.num_tokens) for s in third.scheduled] == [(a, 16, 1), (b, 16, 1)]
+    assert third.preempted == [d] and (d.status, d.pending, d.slot) == (SeqStatus.WAITING, 1, None)
+    assert all(s.start + s.num_tokens <= len(s.seq.token_ids) for s in third.scheduled)  # every token known
+    scheduler.finish(c, "abort")  # room for d, but its token is still being drawn
+    assert scheduler.schedule().scheduled == []
+    assert scheduler.postprocess(second, sample_all(second)) == [d] and len(d.token_ids) == 32
+    assert [(s.seq, s.start, s.num_tokens, s.num_samples) for s in scheduler.schedule().scheduled] == [(d, 0, 32, 1)]
+
+
 def test_mapping_ahead_never_copies_a_shared_page():
     """A parent whose next token lands in the page it shares with its fork is left out of the plan: the
     copy would run on the mapper thread while this step writes that page. The next step's ensure copies."""
