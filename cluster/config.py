@@ -249,12 +249,12 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     # 1.47-1.59x one step at a time, bench/results/w1_launch_ahead*_h100.json). With pipeline stages the steps in flight
     # are micro-batches of other sequences instead: the first stage would need the last stage's samples to continue
     # the same ones.
-    overlap = config.async_scheduling if config.async_scheduling is not None else True
-    if not isinstance(overlap, bool):
+    ahead = config.async_scheduling if config.async_scheduling is not None else True
+    if not isinstance(ahead, bool):
         raise ValueError(f"async_scheduling must be a bool or None, got {config.async_scheduling!r}")
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
-                                max_model_len, config.map_ahead, micro_batches=pp if overlap else 1)
-    overlap = overlap and pp == 1  # one stage: the next step continues the same sequences, on placeholders
+                                max_model_len, config.map_ahead, micro_batches=pp if ahead else 1)
+    overlap = ahead and pp == 1  # one stage: the next step continues the same sequences, on placeholders
     if config.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -111,12 +111,16 @@ class Scheduler:
         out = SchedulerOutput()
         self._fresh.clear()
         budget = self.config.max_num_batched_tokens
+        most, disjoint = self.step_seqs, self.config.micro_batches > 1
         i = 0
-        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.step_seqs:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < most:
             seq = self.running[i]
             i += 1
-            if self.ends_in_flight(seq) or (seq.pending and self._waits(seq)):
-                continue  # its next step needs the token in flight
+            if self.ends_in_flight(seq) or (
+                    seq.pending and (disjoint or seq.request.waits_for_its_last_token(self.late_masks))):
+                # its next step needs the token in flight: micro-batches have no placeholder; a grammar's mask, a
+                # bad word's ban need the token itself
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._back(seq, seq.num_computed + n, out):
                 break  # seq itself was preempted: it was the last running one
@@ -131,11 +135,6 @@ class Scheduler:
     def step_seqs(self) -> int:
         """The most sequences one step takes: a micro-batch's share of ``max_num_seqs``."""
         return -(-self.config.max_num_seqs // self.config.micro_batches)
-
-    def _waits(self, seq: Sequence) -> bool:
-        """Whether ``seq``, its token being sampled, must wait for it: in micro-batches always (no placeholder), else
-        when its next draw needs the token (a grammar's mask, a bad word's ban)."""
-        return self.config.micro_batches > 1 or seq.request.waits_for_its_last_token(self.late_masks)
 
     def ends_in_flight(self, seq: Sequence) -> bool:
         """``seq``'s token being sampled is its last by length: it needs no further step."""
@@ -170,10 +169,11 @@ class Scheduler:
                     return False
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        most, disjoint = self.step_seqs, self.config.micro_batches > 1
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and len(out.scheduled) < self.step_seqs):
+               and len(out.scheduled) < most):
             seq = self.waiting[0]
-            if seq.pending and self.config.micro_batches > 1:
+            if seq.pending and disjoint:
                 break  # preempted while its token was sampled: it comes back with that token (first come, first served)
             hit = self._cached_prefix(seq)
             try:
