@@ -113,6 +113,7 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # prompt tokens of sequences admitted to compute from their start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_overlapped_steps: int = 0  # steps submitted while an earlier one was still in flight
+    kv_capacity_tokens: int = 0  # tokens the KV pool holds, every page in use (one slot's worth of pages each)
 
 
 class Telemetry:

@@ -103,6 +103,8 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.run(app, route_prefix="/")
+        for line in _kv_capacity_lines():
+            print(line, flush=True)
         name = args.served_model_name or Path(args.model).name or args.model
         auth = ' -H "Authorization: Bearer $KEY"' if serve_args.settings().api_keys else ""  # the key itself stays unprinted
         print(f"\nvattn serves {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it). Try:\n"
@@ -118,6 +120,25 @@ def _serve(args: argparse.Namespace) -> int:
         serve.shutdown()
         return 1
     return 0
+
+
+def _kv_capacity_lines() -> list[str]:
+    """What each engine replica's KV pool holds, as vLLM says it at start (its "GPU KV cache size: N tokens"):
+    the size a user chose -- or, with no memory option, the share of what the weights left -- in tokens."""
+    import ray
+
+    from server.engine import scheduler_actors
+
+    actors = sorted(scheduler_actors().items())
+    lines = []
+    for replica, actor in actors:
+        snap, (max_model_len, _) = ray.get([actor.snapshot.remote(), actor.ready.remote()])
+        w = min(snap.workers, key=lambda w: w.total_pages)
+        where = f" (replica {replica})" if len(actors) > 1 else ""
+        lines.append(f"KV cache{where}: {w.total_pages:,} pages, {w.pool_bytes / 2**30:.2f} GiB a worker, holds "
+                     f"{snap.kv_capacity_tokens:,} tokens -- {snap.kv_capacity_tokens / max_model_len:.1f} requests of "
+                     f"the full {max_model_len:,}-token context at once")
+    return lines
 
 
 if __name__ == "__main__":

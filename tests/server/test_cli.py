@@ -106,6 +106,9 @@ def test_serve_answers_and_a_sigterm_stops_it_leaving_the_port_free(tmp_path):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200, r.text
+        # It says at start what the pool holds: 64 MiB of the tiny model's 4 MiB pages at 1 KiB a token, its context 2,048.
+        assert ("KV cache: 16 pages, 0.06 GiB a worker, holds 65,536 tokens -- 32.0 requests of the full 2,048-token "
+                "context at once") in (tmp_path / "serve.log").read_text()
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         with socket.socket() as s:
@@ -114,8 +117,12 @@ def test_serve_answers_and_a_sigterm_stops_it_leaving_the_port_free(tmp_path):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        if process.poll() is None:  # a failed assertion: SIGTERM first, so Serve stops the HAProxy later tests would meet
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_vllm_spellings_of_the_engine_options_and_the_gpu_default_pool():
