@@ -29,6 +29,8 @@ class VirtualKVCache(SlotCache):
     unmap per map -- see bench/README.md for the measured cost).
     """
 
+    defers_unmaps = True
+
     def __init__(
         self,
         spec: KVCacheSpec,
@@ -155,6 +157,7 @@ class VirtualKVCache(SlotCache):
         if nbytes < 0:
             raise ValueError(f"shrink: nbytes must be >= 0, got {nbytes}")
         with self._lock:
+            self._unmap_stale(done_only=False)  # a free page may still be mapped where queued work reads it
             return self._pool.shrink(nbytes // self.spec.page_size) * self.spec.page_size
 
     def eager_map(self, tokens: int, slots: int = 1) -> int:
@@ -272,6 +275,7 @@ class VirtualKVCache(SlotCache):
             for slot, state in enumerate(self._slots):
                 self._drop_tail(slot, 0)
                 state.in_use, state.tokens = False, 0
+            self._unmap_stale(done_only=False)
             self._pool.close()
             self._vmm.free(self._scratch_va, self.spec.page_size)
             self._free_reservations()

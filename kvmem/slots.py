@@ -26,9 +26,12 @@ Page = Hashable
 
 
 class Fence(Protocol):
-    """Work queued on a device (a recorded CUDA event): ``synchronize`` returns once it is done."""
+    """Work queued on a device (a recorded CUDA event): ``synchronize`` returns once it is done, ``query`` says
+    whether it is."""
 
     def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
 
 
 @dataclass
@@ -41,6 +44,10 @@ class SlotState:
     expected: int = 0
     # Set when the slot was freed while queued work may still read its pages: the first unmap waits for it.
     fence: Fence | None = None
+    # Pages let go of while ``fence`` was pending, where the cache defers unmaps: still mapped at the slot's
+    # addresses just past ``pages`` (the pool may hand them out again meanwhile), unmapped once ``fence`` is done
+    # -- before anything else touches this slot's addresses.
+    stale: list[Page] = field(default_factory=list)
 
 
 class SlotCache(ABC):
@@ -50,6 +57,10 @@ class SlotCache(ABC):
     units_per_page: int = 1
     #: Deferred reclamation: a freed slot keeps its pages for the next request.
     keeps_pages_on_free: bool = False
+    #: Pages taken from a slot that queued work may still read go back to the pool at once, their old mapping
+    #: undone once that work is done (a page may be mapped at two addresses meanwhile: the new owner's writes are
+    #: queued after the reads). Without it, taking them waits for that work first.
+    defers_unmaps: bool = False
 
     def __init__(self, spec: KVCacheSpec):
         self.spec = spec
@@ -64,6 +75,10 @@ class SlotCache(ABC):
         self._lock = threading.RLock()
         self._counters = Counters()
         self._fence_wait_s = 0.0  # time unmaps waited for queued work that read a freed slot
+        self._stale_slots: set[int] = set()  # slots with ``stale`` pages
+        # When each slot was last freed or emptied (a count of such events): queued work may still read the latest.
+        self._released = [0] * spec.max_slots
+        self._releases = 0
 
     # -- what a subclass provides -------------------------------------------------------------
     @abstractmethod
@@ -145,9 +160,11 @@ class SlotCache(ABC):
     def alloc_slot(self, expected_tokens: int = 0, slot: int | None = None) -> int:
         """Claim a free slot for a request expected to reach ``expected_tokens`` tokens.
 
-        Best fit over still-mapped pages: the free slot with the fewest pages that still cover the
-        expectation, else the one with the most pages. ``slot`` claims that free slot instead (a worker
-        replaying the choice its scheduler made). Pages the slot holds past the expectation are surplus:
+        Best fit over the pages a slot still maps and holds alone (a request writes over those in place): the free
+        slot with the fewest pages whose own cover the expectation, else the one with the most own pages, then the
+        fewest pages shared with others or the prefix cache (each would be replaced by a fresh page, once the work
+        queued before it was freed is done), then the one freed longest ago. ``slot`` claims that free slot instead
+        (a worker replaying the choice its scheduler made). Pages the slot holds past the expectation are surplus:
         ``reclaim`` takes them when the pool runs short, after those of free slots.
         """
         self._check_tokens(expected_tokens, "expected_tokens")
@@ -166,10 +183,26 @@ class SlotCache(ABC):
         free = [i for i, s in enumerate(self._slots) if not s.in_use]
         if not free:
             raise KVCacheError(f"no free slot: all {self.spec.max_slots} slots are in use")
-        fits = [i for i in free if len(self._slots[i].pages) >= need]
+        own = {i: self._own_pages(self._slots[i]) for i in free}
+        fits = [i for i in free if own[i] >= need]
         if fits:
-            return min(fits, key=lambda i: len(self._slots[i].pages))
-        return max(free, key=lambda i: len(self._slots[i].pages))
+            return min(fits, key=lambda i: (len(self._slots[i].pages), self._released[i]))
+        return max(free, key=lambda i: (own[i], own[i] - len(self._slots[i].pages), -self._released[i]))
+
+    def _own_pages(self, state: SlotState) -> int:
+        """How many of the slot's first pages it alone holds."""
+        if not self._num_shared:
+            return len(state.pages)
+        n = 0
+        for page in state.pages:
+            if self._refs[page] != 1:
+                break
+            n += 1
+        return n
+
+    def _mark_released(self, slot: int) -> None:
+        self._releases += 1
+        self._released[slot] = self._releases
 
     def free_slot(self, slot: int, fence: Fence | None = None) -> None:
         """Finish with a slot. The virtual cache keeps its pages mapped for reuse (see ``reclaim``).
@@ -182,6 +215,7 @@ class SlotCache(ABC):
         with self._lock:
             state = self._in_use(slot)
             state.in_use, state.tokens, state.expected = False, 0, 0
+            self._mark_released(slot)
             if fence is not None:
                 state.fence = fence
             if not self.keeps_pages_on_free:
@@ -201,6 +235,8 @@ class SlotCache(ABC):
         """
         self._check_tokens(num_tokens, "num_tokens")
         with self._lock:
+            if self._stale_slots:
+                self._unmap_stale(done_only=True)
             state = self._in_use(slot)
             state.expected = max(state.expected, num_tokens)
             need = self.spec.pages_for(num_tokens)
@@ -208,8 +244,7 @@ class SlotCache(ABC):
             cow = self._shared_in_write_range(state, need, num_tokens)
             if need > have or cow:
                 self._make_room(max(0, need - have) + len(cow), slot, num_tokens)
-            for index in cow:
-                self._copy_on_write(slot, state, index)
+            self._copy_on_write(slot, state, cow)
             if need > have:
                 self._link_run(slot, self._take(need - have))
             state.tokens = num_tokens
@@ -312,6 +347,8 @@ class SlotCache(ABC):
         if not pages:
             return
         state = self._slots[slot]
+        if state.stale:  # they lie where these go
+            self._await_fence(slot)
         first = len(state.pages)
         state.pages.extend(pages)
         for page in pages:
@@ -330,12 +367,26 @@ class SlotCache(ABC):
         if count == 2:
             self._num_shared += 1
 
-    def _await_fence(self, state: SlotState) -> None:
+    def _await_fence(self, slot: int) -> None:
+        """Wait for the work queued before ``slot`` was freed (which may still read it), then undo the mappings of
+        its stale pages."""
+        state = self._slots[slot]
         if state.fence is not None:  # queued work may still read this slot: unmap nothing before it is done
             start = time.perf_counter()
             state.fence.synchronize()
             self._fence_wait_s += time.perf_counter() - start
             state.fence = None
+        if state.stale:
+            stale, state.stale = state.stale, []
+            self._stale_slots.discard(slot)
+            self._detach_run(slot, len(state.pages), stale)
+
+    def _unmap_stale(self, done_only: bool) -> None:
+        """Undo the stale mappings of every slot whose fence is done (``done_only``), or of all, waiting."""
+        for slot in list(self._stale_slots):
+            fence = self._slots[slot].fence
+            if not done_only or fence is None or fence.query():
+                self._await_fence(slot)
 
     def _replace_run(self, slot: int, pages: list[Page], first: int = 0) -> None:
         """Make pages ``first, first + 1, ...`` of ``slot`` (those it holds already) be ``pages``: where one differs,
@@ -345,7 +396,7 @@ class SlotCache(ABC):
                    if state.pages[i] != page]
         if not changes:
             return
-        self._await_fence(state)
+        self._await_fence(slot)
         for index, _, page in changes:
             state.pages[index] = page
             self._incref(page)
@@ -376,9 +427,15 @@ class SlotCache(ABC):
         dropped = state.pages[keep:]
         if not dropped:
             return
-        self._await_fence(state)
-        self._detach_run(slot, keep, dropped)
+        if self.defers_unmaps and state.fence is not None and not state.fence.query():
+            state.stale[:0] = dropped  # just below the stale pages already there: one run
+            self._stale_slots.add(slot)
+        else:
+            self._await_fence(slot)
+            self._detach_run(slot, keep, dropped)
         del state.pages[keep:]
+        if not state.in_use:
+            self._mark_released(slot)
         for page in dropped:
             self._decref(page)
 
@@ -388,13 +445,22 @@ class SlotCache(ABC):
         for index in range(first + len(pages) - 1, first - 1, -1):
             self._detach(slot, index, pages[index - first])
 
-    def _copy_on_write(self, slot: int, state: SlotState, index: int) -> None:
-        old = state.pages[index]
-        (new,) = self._take(1)
-        # Stale bytes beyond the slot's valid tokens need no copy.
-        if state.tokens * self._token_bytes > index * self._page_bytes:
-            self._copy(slot, index, old, new)
-        self._replace_run(slot, [new], index)
+    def _copy_on_write(self, slot: int, state: SlotState, indices: list[int]) -> None:
+        """Give ``slot`` fresh pages of its own at ``indices`` (ascending), copying the valid bytes of each; a run
+        of consecutive ones replaced at once (a request over a freed slot whose pages the prefix cache holds
+        replaces them all, and holds no bytes to copy)."""
+        runs: list[list[int]] = []
+        for index in indices:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            new = self._take(len(run))
+            for index, page in zip(run, new):
+                if state.tokens * self._token_bytes > index * self._page_bytes:  # stale bytes past them need none
+                    self._copy(slot, index, state.pages[index], page)
+            self._replace_run(slot, new, run[0])
 
     def _surplus(self, state: SlotState) -> list[Page]:
         """The pages a slot may let go of: all of a free slot's, those past its expectation for one in use."""

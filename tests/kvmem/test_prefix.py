@@ -198,7 +198,8 @@ def _run(ledger: PageLedger, tokens: int, hashes: list[bytes]) -> int:
 def test_the_ledger_evicts_cached_pages_nothing_holds_least_recently_used_first_and_the_workers_follow():
     ledger, cache = _ledger(6), VirtualKVCache(SPEC, 6 * SPEC.num_buffers * SPEC.page_size)
     first, second = _run(ledger, 32, [b"a0", b"a1"]), _run(ledger, 32, [b"b0", b"b1"])
-    ledger.map_prefix(ledger.alloc_slot(64), ledger.cached_prefix([b"a0", b"a1"]))  # a is used again
+    hit = ledger.cached_prefix([b"a0", b"a1"])  # a is used again, in the slot holding its pages (as the scheduler does)
+    ledger.map_prefix(ledger.alloc_slot(64, ledger.slot_holding(hit[0])), hit)
     ops = ledger.take_ops()
     assert [op for op in ops if isinstance(op, KeepPage)] == [KeepPage(first, 0, 0), KeepPage(first, 1, 1),
                                                                KeepPage(second, 0, 2), KeepPage(second, 1, 3)]
@@ -219,6 +220,27 @@ def test_the_ledger_evicts_cached_pages_nothing_holds_least_recently_used_first_
         ledger.ensure(running, 32 + 5 * 16)
     assert ledger.take_ops() == () and ledger.cached_prefix([b"b0"]) == [2]
     check_invariants(cache)
+
+
+def test_a_new_request_takes_a_slot_it_writes_in_place_not_one_over_cached_pages():
+    """A free slot whose pages the prefix cache holds would see each replaced by a fresh page (unmapped after the
+    step that may still read it): a request without a hit takes a slot whose own pages cover it, else an empty
+    one -- the one freed longest ago -- before such a slot."""
+    ledger = _ledger(16)  # SPEC: 4 slots
+    cached = _run(ledger, 32, [b"a0", b"a1"])  # two pages, both held by the prefix cache too
+    owned = ledger.alloc_slot(32)
+    ledger.ensure(owned, 32)
+    ledger.free_slot(owned)  # two pages it alone holds (nothing cached)
+    assert owned != cached
+    fits = ledger.alloc_slot(20)
+    assert fits == owned  # its own pages cover the request: written over in place
+    empties = [i for i in range(SPEC.max_slots) if i not in (cached, owned)]
+    emptied = ledger.alloc_slot(40)
+    assert emptied == empties[0]  # no own pages anywhere: an empty slot, not the cached one
+    ledger.free_slot(emptied)
+    assert ledger.alloc_slot(40) == empties[1]  # of the empty ones, the one freed longest ago (never)
+    assert ledger.alloc_slot(40) == emptied
+    assert ledger.alloc_slot(40) == cached  # the last free slot
 
 
 def test_a_reset_drops_every_held_page_and_the_pool_comes_back():

@@ -107,8 +107,11 @@ def test_serve_answers_and_a_sigterm_stops_it_leaving_the_port_free(tmp_path):
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200, r.text
         # It says at start what the pool holds: 64 MiB of the tiny model's 4 MiB pages at 1 KiB a token, its context 2,048.
+        # (Once serve.run has returned, which may be after the server first answered.)
+        while "KV cache" not in (text := (tmp_path / "serve.log").read_text()) and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert ("KV cache: 16 pages, 0.06 GiB a worker, holds 65,536 tokens -- 32.0 requests of the full 2,048-token "
-                "context at once") in (tmp_path / "serve.log").read_text()
+                "context at once") in text
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         with socket.socket() as s:
