@@ -219,6 +219,18 @@ class QueuedRead:
             self._thread.join()
 
 
+def freed_under_a_read(cache, pages: int) -> tuple[int, float, QueuedRead]:
+    """A slot of ``pages`` full pages freed while queued work reads it: (slot, the sum the read must see, the read)."""
+    tpp = tokens_per_page(cache)
+    slot = cache.alloc_slot()
+    cache.ensure(slot, pages * tpp)
+    fill(cache, slot, 0, pages * tpp, tag=2.0)
+    want = cache.k(0)[slot].sum().item()
+    read = QueuedRead(cache, slot)
+    cache.free_slot(slot, fence=read)
+    return slot, want, read
+
+
 def test_a_fenced_free_slot_is_unmapped_only_after_the_queued_read(cache_factory):
     """A slot freed while queued work still reads it (async scheduling: the step in flight has its row) is free at
     once, and reusable at once. Its pages may go to another slot at once too: their old mappings stay until that
@@ -226,12 +238,7 @@ def test_a_fenced_free_slot_is_unmapped_only_after_the_queued_read(cache_factory
     it undoes them."""
     cache = cache_factory(pool_groups=4)
     tpp = tokens_per_page(cache)
-    a = cache.alloc_slot()
-    cache.ensure(a, 3 * tpp)
-    fill(cache, a, 0, 3 * tpp, tag=2.0)
-    want = cache.k(0)[a].sum().item()
-    read = QueuedRead(cache, a)
-    cache.free_slot(a, fence=read)
+    a, want, read = freed_under_a_read(cache, 3)
     assert not read.query()  # freeing waited for nothing
     b = cache.alloc_slot(0)
     assert b != a
@@ -255,12 +262,7 @@ def test_a_slot_whose_pages_were_taken_under_a_fence_waits_for_it_before_mapping
     what was there)."""
     cache = cache_factory(pool_groups=5)
     tpp = tokens_per_page(cache)
-    a = cache.alloc_slot()
-    cache.ensure(a, 4 * tpp)
-    fill(cache, a, 0, 4 * tpp, tag=3.0)
-    want = cache.k(0)[a].sum().item()
-    read = QueuedRead(cache, a)
-    cache.free_slot(a, fence=read)
+    a, want, read = freed_under_a_read(cache, 4)
     b = cache.alloc_slot(0)
     cache.ensure(b, 2 * tpp)  # the free page and a's last
     assert len(cache._slots[a].stale) == 1
