@@ -14,7 +14,7 @@ peer. The floor is measured in the same call. Results of another call, or of oth
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
-``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles).
+``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size).
 """
 
 from __future__ import annotations
@@ -99,8 +99,10 @@ VATTN_SIDES = {
     "vattn-page8m": {"page_size": 8 << 20},  # a quarter of the driver calls a token, at 4x coarser prefix granularity
     "vattn-fa3": {"attention": "fa3"},  # FlashAttention-3, one kernel a step (tools/build_fa3.py), as vLLM runs
     "vattn-fa2decode": {},  # all-decode steps on flash-attn's kernel, not FA3's decode tiles (environment below)
+    "vattn-tilesall": {},  # FA3's decode tiles at every batch size, not flash-attn's kernel past 256 sequences
 }
-VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"}}
+VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
+                  "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)}}
 
 WORKLOADS = {
     "w1": Workload("llama-3-8b", 128, 512, 2048, 128, "W1: 128 prompts of 512-2048 tokens, 128 out"),

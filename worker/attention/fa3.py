@@ -56,19 +56,24 @@ def has_decode_tiles() -> bool:
 
 class FA3KVCache(FlashAttnKVCache):
     """Every sequence of a step in one FA3 call over the virtual cache's slots as pages; an all-decode step on
-    flash-attn's split-KV kernel by slot where FA3 has no decode tiles."""
+    flash-attn's split-KV kernel by slot where FA3 has no decode tiles, or the batch is larger than they serve best."""
 
     def __init__(self):
         self._fa3 = import_fa3().flash_attn_with_kvcache  # first: without FA3 the error names it, not flash-attn
         self.fa3_decodes = has_decode_tiles()
         # KV splits of an all-decode step (0: FA3's heuristic); VATTN_FA3_DECODE_SPLITS sets it, for measurement.
         self.decode_splits = int(os.environ.get("VATTN_FA3_DECODE_SPLITS", "0"))
+        # All-decode steps of more sequences than this run flash-attn's split-KV kernel even with decode tiles: 512
+        # sequences on shared 2-4K-token prefixes decoded 1.5 s faster on it, W1's 128 and the decode-heavy 256
+        # faster on the tiles (docs/performance.md). CUDA graphs are captured per batch size, so each bucket keeps
+        # one kernel. VATTN_FA3_DECODE_TILES_MAX_BATCH sets it, for measurement.
+        self.decode_tiles_max_batch = int(os.environ.get("VATTN_FA3_DECODE_TILES_MAX_BATCH", "256"))
         super().__init__()
         self._tabled: AttentionMetadata | None = None  # the step the page table is for (every layer shares it)
         self._table: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.max_query_len == 1 and not self.fa3_decodes:  # all decode (and every CUDA-graph step)
+        if meta.max_query_len == 1 and (not self.fa3_decodes or len(meta.slots) > self.decode_tiles_max_batch):
             return super().forward(q, k_rows, v_rows, meta)
         page = page_rows(meta.slot_tokens, PAGE_TOKENS)
         if meta is not self._tabled:
