@@ -244,7 +244,8 @@ class SlotCache(ABC):
             cow = self._shared_in_write_range(state, need, num_tokens)
             if need > have or cow:
                 self._make_room(max(0, need - have) + len(cow), slot, num_tokens)
-            self._copy_on_write(slot, state, cow)
+            if cow:
+                self._copy_on_write(slot, state, cow)
             if need > have:
                 self._link_run(slot, self._take(need - have))
             state.tokens = num_tokens
