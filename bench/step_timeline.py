@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import report
-from peer import GiB, WORKLOADS
+from peer import GiB, WORKLOADS, vattn_stepwise
 import kvmem
 from cluster.engine import LLM
 from kvmem.cache import VirtualKVCache
@@ -139,22 +139,13 @@ def run(args) -> dict:
     engine_args = dict(max_num_seqs=w.requests, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=min(w.max_len, config.max_context), kv_memory=kv, device=device,
                        dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy")
-    params = SamplingParams(max_tokens=w.output, temperature=0, ignore_eos=True)
     rounds = []
     with LLM(args.model or w.model, **engine_args) as llm:
         llm.generate([p[:64] for p in prompts[:8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         for round_ in range(args.reps):
-            llm.reset_prefix_cache()
             before = llm.snapshot()
             with Recorder(llm) as rec:
-                start = time.perf_counter()
-                for p in prompts:
-                    llm.add_request(p, params)
-                while llm.core.has_work:
-                    llm.step()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                wall = time.perf_counter() - start
+                wall, _, _ = vattn_stepwise(llm, prompts, w.output)  # from an empty prefix cache, as peer.py times it
             after = llm.snapshot()
             gaps = attribute(rec.steps)
             busy = sum(s.device_end - s.device_start for s in rec.steps if s.device_start is not None)

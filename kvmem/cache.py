@@ -8,7 +8,7 @@ import torch
 
 from kvmem.errors import KVCacheError, VMMError
 from kvmem.pool import PagePool
-from kvmem.slots import SlotCache
+from kvmem.slots import SlotCache, consecutive_runs
 from kvmem.spec import KVCacheSpec
 from kvmem.vmm import VMM, default_vmm
 
@@ -223,18 +223,14 @@ class VirtualKVCache(SlotCache):
         # A cached prefix mapped over a reused slot's own pages: per run of consecutive pages, one unmap of the old
         # and one mapping of the new -- no zero page in between (that would double the driver calls).
         size, vmm, handle = self._page_bytes, self._vmm, self._pool.handle
-        runs: list[list[tuple[int, Group]]] = []
-        for index, _, new in changes:
-            if runs and runs[-1][-1][0] == index - 1:
-                runs[-1].append((index, new))
-            else:
-                runs.append([(index, new)])
+        new = {index: page for index, _, page in changes}
+        runs = consecutive_runs(list(new))
         start = time.perf_counter()
         for buffer, base in enumerate(self._bases):
             for run in runs:
-                va = base + self._offset(slot, run[0][0])
+                va = base + self._offset(slot, run[0])
                 vmm.unmap(va, size * len(run))
-                vmm.map_run(va, size, [handle(page[buffer]) for _, page in run])
+                vmm.map_run(va, size, [handle(new[index][buffer]) for index in run])
         each = (time.perf_counter() - start) * 1e6 / len(changes)
         self._counters.map_latency_us.extend([each] * len(changes))
         self._counters.maps += len(changes)

@@ -25,6 +25,17 @@ from kvmem.stats import Counters, KVCacheStats, PageMap, SlotAccounting
 Page = Hashable
 
 
+def consecutive_runs(indices: list[int]) -> list[list[int]]:
+    """Ascending ``indices`` cut where they stop being consecutive: the page runs one driver call each can take."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][-1] == index - 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
 class Fence(Protocol):
     """Work queued on a device (a recorded CUDA event): ``synchronize`` returns once it is done, ``query`` says
     whether it is."""
@@ -450,13 +461,7 @@ class SlotCache(ABC):
         """Give ``slot`` fresh pages of its own at ``indices`` (ascending), copying the valid bytes of each; a run
         of consecutive ones replaced at once (a request over a freed slot whose pages the prefix cache holds
         replaces them all, and holds no bytes to copy)."""
-        runs: list[list[int]] = []
-        for index in indices:
-            if runs and runs[-1][-1] == index - 1:
-                runs[-1].append(index)
-            else:
-                runs.append([index])
-        for run in runs:
+        for run in consecutive_runs(indices):
             new = self._take(len(run))
             for index, page in zip(run, new):
                 if state.tokens * self._token_bytes > index * self._page_bytes:  # stale bytes past them need none
