@@ -127,10 +127,9 @@ class PageLedger(NumberedSlotCache):
         (Dropping a page the slot itself holds past its tokens -- a reused slot's old prefix -- spares the copy
         a write into it would have made.)"""
         need = self.spec.pages_for(num_tokens)
-        first = state.tokens * self._token_bytes // self._page_bytes  # where the writes start
-        if max(0, need - len(state.pages)) + max(0, min(need, len(state.pages)) - first) <= self._free_pages():
-            return  # the common case: room even if every page written were shared, decided without a scan
         while True:
+            # Pages the pool must give: new ones, and a copy of each shared page the writes land in (a scan of the
+            # write range only: a decode step's is one page).
             demand = max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
             if demand <= self._free_pages() or self._reclaims_at_least(demand - self._free_pages()):
                 return
@@ -141,9 +140,11 @@ class PageLedger(NumberedSlotCache):
             for s in self._slots:
                 if s.in_use:
                     used.update(s.pages[: self.spec.pages_for(s.tokens)])
+            # A batch at least, as reclaim frees one: the scans above walk every slot, paid once per batch.
+            batch = max(short, self.reclaim_batch())
             victims = []
             for key in self.prefixes.eviction_order():
-                if len(victims) >= short:
+                if len(victims) >= batch:
                     break
                 if self._kept[key] not in used:
                     victims.append(key)

@@ -510,6 +510,13 @@ class SlotCache(ABC):
                     return True
         return False
 
+    def reclaim_batch(self) -> int:
+        """Pages a reclaim that has to walk the slots frees at least, when that much is there to free: the walk
+        costs a pass over every slot, so once the pool runs dry it is paid once per batch of pages, not once per
+        page each growing sequence asks for (which made decoding behind a full prefix cache walk every slot at
+        almost every page)."""
+        return max(1, self._total_pages() // 256)
+
     def _make_room(self, pages: int, slot: int, tokens: int) -> None:
         free = self._free_pages()
         if pages <= free:
@@ -519,7 +526,7 @@ class SlotCache(ABC):
             if pages > available:
                 unit = self.units_per_page
                 raise KVCacheExhausted(pages * unit, available * unit, f"slot {slot} to hold {tokens} tokens")
-        self._reclaim((pages - free) * self.units_per_page)
+        self._reclaim(max(pages - free, self.reclaim_batch()) * self.units_per_page)
         assert self._free_pages() >= pages, "reclaim freed less than it counted"
 
     def _reclaim(self, units: int) -> int:
@@ -527,17 +534,15 @@ class SlotCache(ABC):
         target = start - (-units // self.units_per_page)
         order = self._reclaim_order()
         # First only pages their slot alone holds, from each slot's end, each slot's at once: letting go of a page
-        # that a kept prefix or another slot holds too unmaps it and frees nothing. Then any surplus, a page at a time
-        # (a page only free slots share is freed once the last lets go; an owned page may lie under a shared one).
+        # that a kept prefix or another slot holds too unmaps it and frees nothing. Then a slot's whole surplus at
+        # once (a page only free slots share is freed once the last lets go; an owned page may lie under a shared one).
         for owned_only in (True, False):
             for slot in order:
                 state = self._slots[slot]
                 if owned_only:
                     self._drop_tail(slot, len(state.pages) - self._owned_tail(state, target - self._free_pages()))
                 else:
-                    keep = len(state.pages) - self._num_surplus(state)
-                    while len(state.pages) > keep and self._free_pages() < target:
-                        self._drop_tail(slot, len(state.pages) - 1)
+                    self._drop_tail(slot, len(state.pages) - self._num_surplus(state))
                 if self._free_pages() >= target:
                     return (self._free_pages() - start) * self.units_per_page
         return (self._free_pages() - start) * self.units_per_page

@@ -185,6 +185,29 @@ def test_ensure_reclaims_pages_of_free_slots_when_short(cache_factory):
     check_invariants(cache)
 
 
+def test_a_reclaim_that_walks_the_slots_frees_a_batch_not_a_page(cache_factory):
+    """With the pool dry, each page a growing sequence asks for would walk every slot: the walk frees
+    ``reclaim_batch`` pages (1/256 of the pool), and the next pages come from the pool without one."""
+    cache = cache_factory(pool_groups=1024, max_slots=80, pages_per_slot=16)
+    tpp = tokens_per_page(cache)
+    assert cache.reclaim_batch() == 4
+    slots = [cache.alloc_slot(16 * tpp) for _ in range(64)]
+    for slot in slots:  # every page mapped into a slot, the slots freed: deferred reclamation keeps them all
+        cache.ensure(slot, 16 * tpp)
+    for slot in slots:
+        cache.free_slot(slot)
+    assert cache.free_pages() == 0
+    grower = cache.alloc_slot(0)  # best fit for nothing: an empty slot
+    assert cache._slots[grower].pages == []
+    cache.ensure(grower, tpp)  # one page: the walk takes four from the end of one free slot
+    assert cache.free_pages() == 3
+    full = [len(s.pages) for s in cache._slots if s.pages and not s.in_use]
+    assert sorted(full) == [12] + [16] * 63
+    cache.ensure(grower, 4 * tpp)
+    assert cache.free_pages() == 0
+    check_invariants(cache)
+
+
 class QueuedRead:
     """Work still queued on the cache's device that reads a slot: a kernel behind a long sleep on the GPU (its
     recorded event is the fence), a thread holding the slot's rows on the host until ``release``."""

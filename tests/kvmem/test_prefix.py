@@ -222,6 +222,36 @@ def test_the_ledger_evicts_cached_pages_nothing_holds_least_recently_used_first_
     check_invariants(cache)
 
 
+def test_decoding_behind_a_full_prefix_cache_evicts_a_batch_at_a_time_and_the_workers_follow():
+    """Every page held by the prefix cache and a free slot: a growing sequence's page costs an eviction (a walk over
+    every slot and the index). It evicts ``reclaim_batch`` pages, least recently used first, and the next pages
+    come from what that freed."""
+    spec = KVCacheSpec(2, 2, 16, torch.float32, max_slots=80, max_tokens=256, layout="mega", page_size=4096)
+    ledger = PageLedger(spec, 1024, keeps_pages_on_free=True, caches_prefixes=True)
+    cache = VirtualKVCache(spec, 1024 * spec.num_buffers * spec.page_size)
+    assert ledger.reclaim_batch() == 4
+    for r in range(64):  # 64 requests of 16 full pages each, every page cached
+        _run(ledger, 256, [f"{r}.{p}".encode() for p in range(16)])
+    assert ledger.free_pages() == 0 and ledger.kept_pages() == 1024
+    apply_ops(cache, ledger.take_ops())
+    slot = ledger.alloc_slot(64)
+    assert ledger._slots[slot].pages == []  # no slot's own pages cover it: an empty slot
+    apply_ops(cache, ledger.take_ops())
+    ledger.ensure(slot, 16)
+    ops = ledger.take_ops()
+    # The four least recently used pages: the first request's last four (a prefix shrinks from its end).
+    assert ops == (DropKept((15, 14, 13, 12)), Ensure(slot, 16))
+    assert ledger.free_pages() == 3
+    for tokens in (32, 48, 64):  # the next three pages: no eviction
+        ledger.ensure(slot, tokens)
+    ops += ledger.take_ops()
+    assert ops[2:] == (Ensure(slot, 32), Ensure(slot, 48), Ensure(slot, 64)) and ledger.free_pages() == 0
+    apply_ops(cache, ops)
+    assert cache.accounting() == ledger.accounting()
+    check_invariants(cache)
+    cache.close()
+
+
 def test_a_new_request_takes_a_slot_it_writes_in_place_not_one_over_cached_pages():
     """A free slot whose pages the prefix cache holds would see each replaced by a fresh page (unmapped after the
     step that may still read it): a request without a hit takes a slot whose own pages cover it, else an empty
