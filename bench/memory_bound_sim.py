@@ -84,7 +84,8 @@ def simulate(model: str, prompts: list[list[int]], output: int, kv_memory: int, 
 
 def sequence(names: list[str], kv_memory: int, max_num_batched_tokens: int) -> list[list]:
     """``peer.py``'s workloads one after another through one engine's scheduler and ledger, as ``peer.py`` runs
-    them: the host seconds each takes to schedule and account (the GPU's work left out)."""
+    them (each from an empty prefix cache): the host seconds each takes to schedule and account (the GPU's work
+    left out)."""
     from peer import WORKLOADS
 
     workloads = [WORKLOADS[n] for n in names]
@@ -95,10 +96,13 @@ def sequence(names: list[str], kv_memory: int, max_num_batched_tokens: int) -> l
     rows = []
     for name, w in zip(names, workloads):
         prompts, _ = w.prompts(PRESETS[w.model], 0)
-        preempted, start = scheduler.num_preemptions, time.perf_counter()
+        (maps, unmaps, _), preempted = ledger.counters(), scheduler.num_preemptions
+        start = time.perf_counter()
+        ledger.reset_prefixes()  # as peer.py starts every timed run
         running = step_through(scheduler, ledger, prompts, w.output, 2)
-        rows.append([name, len(running), time.perf_counter() - start, scheduler.num_preemptions - preempted,
-                     ledger.kept_pages(), ledger.free_pages()])
+        seconds, (maps_after, unmaps_after, _) = time.perf_counter() - start, ledger.counters()
+        rows.append([name, len(running), seconds, scheduler.num_preemptions - preempted, maps_after - maps,
+                     unmaps_after - unmaps, ledger.kept_pages(), ledger.free_pages()])
         print(rows[-1], flush=True)
     return rows
 
@@ -116,7 +120,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sequence:
         rows = sequence(args.sequence, int(args.kv_memory_gib * GiB), args.max_num_batched_tokens)
-        report.write(args.name, ["workload", "steps", "host s", "preemptions", "cached pages after", "free pages after"],
+        report.write(args.name, ["workload", "steps", "host s", "preemptions", "pages mapped", "pages unmapped",
+                                 "cached pages after", "free pages after"],
                      rows, {"args": vars(args)}, Path(report.RESULTS))
         return
     prompts = random_prompts(PRESETS[args.model], args.requests, 512, 2048)

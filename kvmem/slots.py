@@ -511,7 +511,7 @@ class SlotCache(ABC):
         return False
 
     def reclaim_batch(self) -> int:
-        """Pages a reclaim that has to walk the slots frees at least, when that much is there to free: the walk
+        """Pages a reclaim that has to walk the slots frees at least, where slots alone hold that many: the walk
         costs a pass over every slot, so once the pool runs dry it is paid once per batch of pages, not once per
         page each growing sequence asks for (which made decoding behind a full prefix cache walk every slot at
         almost every page)."""
@@ -526,25 +526,29 @@ class SlotCache(ABC):
             if pages > available:
                 unit = self.units_per_page
                 raise KVCacheExhausted(pages * unit, available * unit, f"slot {slot} to hold {tokens} tokens")
-        self._reclaim(max(pages - free, self.reclaim_batch()) * self.units_per_page)
+        self._reclaim((pages - free) * self.units_per_page, self.reclaim_batch())
         assert self._free_pages() >= pages, "reclaim freed less than it counted"
 
-    def _reclaim(self, units: int) -> int:
+    def _reclaim(self, units: int, batch: int = 0) -> int:
+        """Free ``units`` physical pages, and up to ``batch`` slot pages more of those their slot alone holds."""
         start = self._free_pages()
-        target = start - (-units // self.units_per_page)
+        need = start - (-units // self.units_per_page)
         order = self._reclaim_order()
         # First only pages their slot alone holds, from each slot's end, each slot's at once: letting go of a page
-        # that a kept prefix or another slot holds too unmaps it and frees nothing. Then a slot's whole surplus at
-        # once (a page only free slots share is freed once the last lets go; an owned page may lie under a shared one).
-        for owned_only in (True, False):
+        # that a kept prefix or another slot holds too unmaps it and frees nothing. Then any surplus, a page at a time
+        # and no further than the need (a page only free slots share is freed once the last lets go; an owned page
+        # may lie under a shared one).
+        for owned_only, target in ((True, max(need, start + batch)), (False, need)):
             for slot in order:
+                if self._free_pages() >= target:
+                    break
                 state = self._slots[slot]
                 if owned_only:
                     self._drop_tail(slot, len(state.pages) - self._owned_tail(state, target - self._free_pages()))
                 else:
-                    self._drop_tail(slot, len(state.pages) - self._num_surplus(state))
-                if self._free_pages() >= target:
-                    return (self._free_pages() - start) * self.units_per_page
+                    keep = len(state.pages) - self._num_surplus(state)
+                    while len(state.pages) > keep and self._free_pages() < target:
+                        self._drop_tail(slot, len(state.pages) - 1)
         return (self._free_pages() - start) * self.units_per_page
 
     # -- stats ---------------------------------------------------------------------------------
