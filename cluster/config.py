@@ -300,11 +300,14 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"block_size must be an int >= 1 (tokens a block of the paged layout), got {block_size!r}")
     if attention in PAGED_KERNELS and block_size % 256:
         raise ValueError(f"attention {attention!r} reads blocks of a multiple of 256 tokens, got block_size={block_size}")
+    # With tensor parallelism each rank may capture its shard's graphs, the all-reduces inside them (NCCL collectives
+    # are capturable), and the ranks replay the same batch size in lock-step, as they run every step: asked for with
+    # cuda_graphs=True until the two-GPU tests have run it (docs/performance.md, "Two GPUs").
     graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place and tp * pp == 1
     if graphs and attention not in in_place:
         raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {in_place}, got {attention!r}")
-    if graphs and tp * pp > 1:
-        raise ValueError("cuda_graphs run the whole model on one worker: turn them off with tensor or pipeline parallelism")
+    if graphs and pp > 1:
+        raise ValueError("cuda_graphs run every layer on one worker: turn them off with pipeline parallelism")
     slots = config.max_num_seqs + (1 if graphs else 0)  # CUDA graphs hold one slot as scratch for padded rows
     page = block_size if layout == "paged" else config.page_size  # tokens per block, or bytes per page
     # Mega pages span a stage's layers: pad every stage to the longest so that all share tokens per page.

@@ -15,6 +15,7 @@ import torch
 
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep
 from worker.model import Transformer
+from worker.parallel import TPGroup
 from worker.rope import rope_for
 from worker.staging import to_device
 
@@ -32,10 +33,13 @@ def padded_rows(n: int) -> int:
 
 class DecodeGraphs:
     def __init__(
-        self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, max_batch: int, scratch: int
+        self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, max_batch: int, scratch: int,
+        tp: TPGroup = TPGroup(),
     ):
-        """``scratch``: a slot the caller holds, one token backed, where padding rows read and write."""
-        self.model, self.cache, self.backend, self.rope_table = model, cache, backend, rope_table
+        """``scratch``: a slot the caller holds, one token backed, where padding rows read and write. With ``tp``
+        of several ranks each rank captures its shard's graphs, the all-reduces inside them, in lock-step with the
+        others (``_capture``)."""
+        self.model, self.cache, self.backend, self.rope_table, self.tp = model, cache, backend, rope_table, tp
         self.dtype = next(model.parameters()).dtype
         self.device = rope_table.device
         self.buckets = sorted({min(b, max_batch) for b in BATCH_BUCKETS} | {max_batch})
@@ -48,6 +52,13 @@ class DecodeGraphs:
         self.tables = torch.zeros(max_batch, width, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def close(self) -> None:
+        """Release the graphs (before the process group they captured collectives of goes: destroying it while they
+        live hung on 2xH200)."""
+        self.graphs.clear()
+        self.outputs.clear()
         self.pool = None
 
     def fits(self, chunks) -> bool:
@@ -87,6 +98,7 @@ class DecodeGraphs:
             self.tables[:, : tables.shape[1]].copy_(tables)
         for size in reversed(self.buckets):  # the largest first: smaller ones fit in its memory pool
             self._capture(size)
+        self.tp.barrier(self.device)  # no rank replays a graph while another still captures (NCCL hangs: 2xH200)
         logger.debug("captured %d decode graphs in %.0f ms", len(self.buckets), 1e3 * (time.perf_counter() - start))
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -128,6 +140,9 @@ class DecodeGraphs:
             for _ in range(2):  # warm-up outside the graph: kernel selection, workspace allocation
                 self._forward(size)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        # NCCL collectives must not run eagerly on one rank while another captures them: every rank's warm-up done
+        # first.
+        self.tp.barrier(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[size] = self._forward(size)

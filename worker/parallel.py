@@ -48,6 +48,15 @@ class TPGroup:
             total = total + part
         return x.copy_(total)
 
+    def barrier(self, device: torch.device) -> None:
+        """Return once every rank's queued work on ``device`` is done and every rank got here."""
+        if self.size == 1:
+            return
+        done = torch.zeros(1, device=device)
+        self.all_reduce(done)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def failed_rank(self, failed: bool, device: torch.device) -> int | None:
         """The highest rank that says ``failed``, or None (every rank must call it, as with any collective)."""
         if self.size == 1:

@@ -10,6 +10,7 @@ import torch
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep, SeqAttention
 from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
 from worker.model import Transformer
+from worker.parallel import TPGroup
 from worker.penalties import PenaltyState
 from worker.rope import rope_cache, rope_for
 from worker.sampling import (SampledToken, SamplingParams, grammar_masked, needs_processing, noise_keys,
@@ -164,10 +165,12 @@ class ModelRunner:
         graph_batch: int = 0,
         scratch_slot: int | None = None,
         samples: bool = True,
+        tp: TPGroup = TPGroup(),
     ):
         """``graph_batch`` > 0: decode steps of up to that many sequences replay CUDA graphs (CUDA, a
-        backend that does not gather, one TP rank, the whole model); padding rows use ``scratch_slot``, a
-        slot the caller holds with one token backed. ``samples=False``: a TP rank whose peer samples."""
+        backend that does not gather, every layer on this worker; ``tp``: this rank's group, whose ranks capture
+        theirs in lock-step); padding rows use ``scratch_slot``, a slot the caller holds with one token backed.
+        ``samples=False``: a TP rank whose peer samples."""
         self.model = model
         self.cache = cache
         self.backend = backend
@@ -182,7 +185,7 @@ class ModelRunner:
                 raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
             if not (model.is_first and model.is_last) or scratch_slot is None:
                 raise ValueError("CUDA graphs need the whole model on one worker and a scratch slot")
-            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot)
+            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp)
         self._pads = self.device.type == "cuda" and model.is_last and samples
         if self._pads:
             self._warm_logits()
@@ -199,6 +202,11 @@ class ModelRunner:
         # otherwise stall the first step that samples a request (and every request batched with it).
         for params in (SamplingParams(), SamplingParams(top_k=2, top_p=0.5, min_p=0.1)):
             sample(logits[:2], [params] * 2, [noise_keys(0, 0, 0)] * 2)
+
+    def close(self) -> None:
+        """Release the CUDA graphs, if any."""
+        if self._graphs is not None:
+            self._graphs.close()
 
     def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepOutput:
         """Run ``plan``; ``inputs`` are the previous pipeline stage's hidden states (none on the first)."""

@@ -122,7 +122,7 @@ class Worker:
                                         guard_tokens=c.kv_guard_tokens)
         try:
             self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
-                                      c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders)
+                                      c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders, tp=self.tp)
             self.swap = SwapSpace(self.cache) if c.swap else None
             self.mapper = AsyncMapper(self.cache)
         except BaseException:
@@ -281,6 +281,7 @@ class Worker:
                 torch.cuda.synchronize(self.device)  # kernels still queued (a step in flight, or one that failed) read the pages
         finally:
             try:
+                self.runner.close()  # its graphs before the TP group they captured collectives of
                 self.mapper.close()
             finally:
                 self.cache.close()

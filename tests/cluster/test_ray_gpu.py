@@ -67,3 +67,21 @@ def test_a_kv_memory_fraction_sizes_the_gpu_workers_pools(gpus):
     spec = plan(EngineConfig("tiny", device="cuda", **BF16, **kw), model_config("tiny"), "cuda").ledger_spec
     assert worker.total_pages == spec.max_slots * spec.pages_for(256)
     assert got == want
+
+
+def test_tp2_decodes_in_cuda_graphs_and_agrees_with_tp2_eager(gpus):
+    # Each rank captures its shard's decode graphs with the all-reduces inside; bf16, so against the same TP=2
+    # engine run eagerly: the first token of every prompt the same and nearly all the rest.
+    if gpus < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {gpus}")
+    runs = {}
+    for graphs in (False, True):
+        with LLM("tiny", distributed="ray", tensor_parallel_size=2, attention="fa2", cuda_graphs=graphs, **BF16,
+                 **KW) as llm:
+            assert llm.core.plan.cuda_graphs == graphs
+            runs[graphs] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+            assert all(w.slots_in_use == (1 if graphs else 0) for w in llm.snapshot().workers)
+    eager, graphed = runs[False], runs[True]
+    assert [g[0] for g in graphed] == [e[0] for e in eager]
+    same = sum(a == b for g, e in zip(graphed, eager) for a, b in zip(g, e))
+    assert same >= 0.8 * sum(map(len, eager)), f"only {same} of {sum(map(len, eager))} tokens agree"
