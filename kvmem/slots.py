@@ -251,15 +251,34 @@ class SlotCache(ABC):
             state = self._in_use(slot)
             state.expected = max(state.expected, num_tokens)
             need = self.spec.pages_for(num_tokens)
-            have = len(state.pages)
-            cow = self._shared_in_write_range(state, need, num_tokens)
-            if need > have or cow:
-                self._make_room(max(0, need - have) + len(cow), slot, num_tokens)
+            # A reused slot's shared pages past the request's tokens hold none of its bytes: let go of them from the
+            # first (one unmap) and map fresh pages as growth does -- ahead of the step, where copy-on-write would
+            # replace them one by one inside it. Where the pool has no room for that, copy-on-write as before.
+            keep = self._first_shared_past_tokens(state, need)
+            cow = self._shared_in_write_range(state, min(need, keep), num_tokens)
+            if keep < len(state.pages) and not self._has_room(max(0, need - keep) + len(cow)):
+                keep = len(state.pages)
+                cow = self._shared_in_write_range(state, need, num_tokens)
+            demand = max(0, need - keep) + len(cow)
+            if demand:
+                self._make_room(demand, slot, num_tokens)
+            if keep < len(state.pages):
+                self._drop_tail(slot, keep)
             if cow:
                 self._copy_on_write(slot, state, cow)
-            if need > have:
-                self._link_run(slot, self._take(need - have))
+            if need > len(state.pages):
+                self._link_run(slot, self._take(need - len(state.pages)))
             state.tokens = num_tokens
+
+    def _first_shared_past_tokens(self, state: SlotState, need: int) -> int:
+        """Index of the slot's first shared page, among those the writes up to ``need`` pages reach, that holds none
+        of its tokens; the slot's page count where there is none."""
+        if self._num_shared:
+            held = -(-state.tokens * self._token_bytes // self._page_bytes)  # pages holding some of its bytes
+            for i in range(held, min(need, len(state.pages))):
+                if self._refs[state.pages[i]] > 1:
+                    return i
+        return len(state.pages)
 
     def _shared_in_write_range(self, state: SlotState, need: int, num_tokens: int) -> list[int]:
         """Indices of shared pages that writes from ``state.tokens`` up to ``num_tokens`` would land in."""
@@ -516,6 +535,11 @@ class SlotCache(ABC):
         page each growing sequence asks for (which made decoding behind a full prefix cache walk every slot at
         almost every page)."""
         return max(1, self._total_pages() // 256)
+
+    def _has_room(self, pages: int) -> bool:
+        """Whether ``_make_room(pages)`` would succeed (it walks the slots where the pool alone is short)."""
+        free = self._free_pages()
+        return pages <= free or self._reclaims_at_least(pages - free) or pages <= free + self._reclaimable()
 
     def _make_room(self, pages: int, slot: int, tokens: int) -> None:
         free = self._free_pages()

@@ -252,6 +252,24 @@ def test_decoding_behind_a_full_prefix_cache_evicts_a_batch_at_a_time_and_the_wo
     cache.close()
 
 
+def test_a_request_in_a_slot_of_cached_pages_lets_them_go_at_once_and_grows_ahead_of_its_steps():
+    """Cached pages a reused slot still maps hold none of the new request's tokens: its first ensure lets go of
+    them all (one unmap run), so its growth maps fresh pages -- which the scheduler can do ahead of a step -- where
+    copy-on-write would replace them one by one inside the steps."""
+    ledger, cache = _ledger(16), VirtualKVCache(SPEC, 16 * SPEC.num_buffers * SPEC.page_size)
+    cached = _run(ledger, 64, [b"a0", b"a1", b"a2", b"a3"])  # four full pages, each held by the slot and the cache
+    slot = ledger.alloc_slot(64, cached)  # as a worker replays it
+    ledger.ensure(slot, 16)
+    assert ledger._slots[slot].pages == [4]  # a fresh page; a0..a3 stay with the prefix cache only
+    assert ledger.kept_pages() == 4 and ledger.cached_prefix([b"a0", b"a1"]) == [0, 1]
+    assert ledger.ensure_ahead(slot, 64)  # nothing shared in the way: growth may be mapped ahead
+    apply_ops(cache, ledger.take_ops())
+    cache.ensure(slot, 64)
+    assert cache.accounting() == ledger.accounting()
+    check_invariants(cache)
+    cache.close()
+
+
 def test_a_new_request_takes_a_slot_it_writes_in_place_not_one_over_cached_pages():
     """A free slot whose pages the prefix cache holds would see each replaced by a fresh page (unmapped after the
     step that may still read it): a request without a hit takes a slot whose own pages cover it, else an empty
