@@ -302,7 +302,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"attention {attention!r} reads blocks of a multiple of 256 tokens, got block_size={block_size}")
     # With tensor parallelism each rank may capture its shard's graphs, the all-reduces inside them (NCCL collectives
     # are capturable), and the ranks replay the same batch size in lock-step, as they run every step: asked for with
-    # cuda_graphs=True until the two-GPU tests have run it (docs/performance.md, "Two GPUs").
+    # cuda_graphs=True until the two-GPU tests have run it (docs/performance.md, "TP decode in CUDA graphs").
     graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place and tp * pp == 1
     if graphs and attention not in in_place:
         raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {in_place}, got {attention!r}")
