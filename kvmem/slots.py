@@ -545,11 +545,9 @@ class SlotCache(ABC):
         free = self._free_pages()
         if pages <= free:
             return
-        if not self._reclaims_at_least(pages - free):
-            available = free + self._reclaimable()
-            if pages > available:
-                unit = self.units_per_page
-                raise KVCacheExhausted(pages * unit, available * unit, f"slot {slot} to hold {tokens} tokens")
+        if not self._has_room(pages):
+            unit, available = self.units_per_page, free + self._reclaimable()
+            raise KVCacheExhausted(pages * unit, available * unit, f"slot {slot} to hold {tokens} tokens")
         self._reclaim((pages - free) * self.units_per_page, self.reclaim_batch())
         assert self._free_pages() >= pages, "reclaim freed less than it counted"
 
