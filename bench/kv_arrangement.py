@@ -97,12 +97,25 @@ def fa3_calls(fa3_kvcache, q, k, v, lens, table, with_tiles: bool) -> dict:
     queries as the ``fa3`` backend calls it, and varlen with num_splits capped at 32 as vLLM calls it under CUDA
     graphs; with decode tiles on and off where the build has them."""
     cu_q = torch.arange(q.shape[0] + 1, device="cuda", dtype=torch.int32)
+    from flash_attn_interface import get_scheduler_metadata
+
+    schedules = {}  # per decode-tile setting: the schedule depends on the tile size
+
+    def schedule():
+        on = os.environ.get("VATTN_FA3_DECODE_TILES", "1")
+        if on not in schedules:
+            schedules[on] = get_scheduler_metadata(q.shape[0], 1, table.shape[1] * k.shape[1], HQ, HKV, D, lens,
+                                                   qkv_dtype=DT, cu_seqlens_q=cu_q, page_size=k.shape[1], causal=True)
+        return schedules[on]
     calls = {
         "": lambda: fa3_kvcache(q[:, None], k, v, cache_seqlens=lens, page_table=table)[:, 0],
         ", varlen": lambda: fa3_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu_q,
                                         max_seqlen_q=1, causal=True),
         ", vLLM call": lambda: fa3_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu_q,
                                            max_seqlen_q=1, causal=True, num_splits=32),
+        # the engine's: the schedule worked out once a step, every layer's call reusing it (timed here: the call alone)
+        ", varlen, schedule once": lambda: fa3_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu_q,
+                                                       max_seqlen_q=1, causal=True, scheduler_metadata=schedule()),
     }
     if not with_tiles:
         return calls

@@ -65,7 +65,7 @@ class DecodeGraphs:
         return len(chunks) <= self.buckets[-1] and all(len(c.token_ids) == 1 for c in chunks)
 
     def logits(self, chunks, fill=None) -> torch.Tensor:
-        """``[len(chunks), vocab]`` float32 logits of a decode step; ``fill``: a ``TokenFill`` of tokens still
+        """``[len(chunks), vocab]`` logits of a decode step (the model's dtype: ``Transformer.logits``); ``fill``: a ``TokenFill`` of tokens still
         on the device."""
         if not self.graphs:
             self._capture_all()

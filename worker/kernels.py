@@ -111,6 +111,15 @@ def rope_qk(qkv: torch.Tensor, n_q: int, n_kv: int, head_dim: int, cos: torch.Te
 # -- K/V into the cache -----------------------------------------------------------------------------
 
 
+def address(rows: torch.Tensor) -> int:
+    """``rows``' device address as a plain int, for a Triton kernel argument that points into the virtual KV cache
+    (the kernel casts it back: ``tl.pointer_type``). Triton asks the driver about every tensor argument's address
+    before a launch, and a cache's first row may lie on an unbacked page -- its slot holds none and no zero page is
+    under it (``zero_unmapped=False``, or guard pages only) -- which fails that check ("cannot be accessed from
+    Triton") though the kernel touches only backed rows."""
+    return rows.data_ptr()
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor) -> None:
     """``k_rows[rows] = k; v_rows[rows] = v`` (``[tokens, H, D]`` into ``[cache rows, H, D]``): one launch for
     both where every token's heads lie side by side (two index_put kernels at ~3x the bytes' time otherwise)."""
@@ -122,7 +131,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: tor
         v_rows[rows] = v
         return
     if tokens:
-        _store_kv_kernel[(tokens,)](k, v, k_rows, v_rows, rows, k.stride(0), v.stride(0), k_rows.stride(0),
+        _store_kv_kernel[(tokens,)](k, v, address(k_rows), address(v_rows), rows, k.stride(0), v.stride(0), k_rows.stride(0),
                                     v_rows.stride(0), n, BLOCK=triton.next_power_of_2(n))
 
 
@@ -230,8 +239,10 @@ if triton is not None:
         tl.store(out_ptr + row * stride + cols, x, mask=inside)
 
     @triton.jit
-    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, rows_ptr, stride_k, stride_v, stride_kc, stride_vc, n,
+    def _store_kv_kernel(k_ptr, v_ptr, kc_at, vc_at, rows_ptr, stride_k, stride_v, stride_kc, stride_vc, n,
                          BLOCK: tl.constexpr):
+        kc_ptr = kc_at.to(tl.int64).to(tl.pointer_type(k_ptr.dtype.element_ty))  # the cache's rows: ``address``
+        vc_ptr = vc_at.to(tl.int64).to(tl.pointer_type(v_ptr.dtype.element_ty))
         tok = tl.program_id(0).to(tl.int64)
         row = tl.load(rows_ptr + tok).to(tl.int64)  # row * stride passes 2**31 in a large cache
         cols = tl.arange(0, BLOCK)

@@ -200,8 +200,10 @@ class ModelRunner:
             logits = self.model.logits(h[:rows])
         # And the sampler's kernels, both paths: Triton compiles the draw's the first time it runs, which would
         # otherwise stall the first step that samples a request (and every request batched with it).
-        for params in (SamplingParams(), SamplingParams(top_k=2, top_p=0.5, min_p=0.1)):
-            sample(logits[:2], [params] * 2, [noise_keys(0, 0, 0)] * 2)
+        # and the draw over float32 logits, which a step whose rows ask for logprobs or penalties passes.
+        for rows, params in ((logits[:2], SamplingParams()), (logits[:2].float(), SamplingParams()),
+                             (logits[:2], SamplingParams(top_k=2, top_p=0.5, min_p=0.1))):
+            sample(rows, [params] * 2, [noise_keys(0, 0, 0)] * 2)
 
     def close(self) -> None:
         """Release the CUDA graphs, if any."""
@@ -337,6 +339,9 @@ class ModelRunner:
                 asks.append((row, c.params, c.output_index))
             if c.params.penalized:
                 penalized.append((row, c))
+        logprob_rows = tuple(row for row, i in enumerate(wanted) if chunks[i].params.logprobs is not None)
+        if masked or asks or banned or penalized or logprob_rows:  # sums and softmaxes in float32, as the draw's
+            logits = logits.float()
         raw = logits  # logprobs: the model's own
         if masked:
             logits = grammar_masked(logits, masked)
@@ -367,7 +372,6 @@ class ModelRunner:
         if penalized:  # the token each draws now counts in its next step's penalties, on the device
             at = to_device(torch.tensor([row for row, _ in penalized]), tokens.device)
             self._penalties.record([c.seq_id for _, c in penalized], tokens[at])
-        logprob_rows = tuple(row for row, i in enumerate(wanted) if chunks[i].params.logprobs is not None)
         chosen = top_values = top_ids = None
         if logprob_rows:
             rows = to_device(torch.tensor(logprob_rows), logits.device)

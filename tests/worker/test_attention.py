@@ -146,6 +146,29 @@ def test_fa3_decodes_on_its_decode_tiles_or_on_flash_attn(monkeypatch, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", ["0", "1"])
+def test_fa3_decode_layers_share_one_schedule(monkeypatch, splits):
+    """An all-decode step works FA3's schedule out once and every layer's call reuses it: each call must leave the
+    persistent scheduler's tile counter reset for the next (the split-combining kernel resets it, or the call after
+    an unsplit kernel), or a later layer skips tiles. Layers called in turn with one step's metadata, over and over,
+    each agree with the reference; with FA3's own split count and with none."""
+    needs_attention("fa3")
+    monkeypatch.setenv("VATTN_FA3_DECODE_SPLITS", splits)
+    import flash_attn_3
+
+    if not getattr(flash_attn_3, "vattn_decode_tiles", False):
+        pytest.skip("this FA3 was built without decode tiles (tools/build_fa3.py --no-decode-tiles)")
+    cache, seqs, q = setup("virtual", "mega", "cuda", cases(1024)["decode"], 16, 128)  # layers of unlike K/V
+    impl = get_backend("fa3", "cuda")
+    meta = AttentionMetadata.build(seqs, cache, torch.device("cuda"), impl.reads)
+    for layer in (0, 1, 0, 1, 1, 0):
+        out = impl.forward(q, *cache.rows(layer), meta).float()
+        assert impl._schedule is not None
+        assert relerr(out, run(cache, "torch", seqs, q, "cuda", layer)) < 1e-2
+    cache.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flash_attn", "flashinfer", "fa3"])
 def test_in_place_kernels_read_slots_past_four_billion_elements(backend):
     """A mega cache whose last slots start past 2**32 elements of their buffer (16 GiB of bf16): kernels that

@@ -96,6 +96,26 @@ def test_store_kv_writes_what_index_assignment_writes(tokens):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+def test_store_kv_writes_a_cache_whose_first_rows_are_unbacked():
+    """A virtual cache without the zero page whose first slot holds no pages: Triton refuses a tensor argument on an
+    unmapped address ("cannot be accessed from Triton"), so the kernel takes the cache's address as an int; the
+    rows of a backed slot get the new K/V."""
+    from kvmem import KVCacheSpec, VirtualKVCache
+    from tests.conftest import make_vmm
+
+    kv_heads, dim, tokens = 2, 128, 5
+    spec = KVCacheSpec(2, kv_heads, dim, torch.bfloat16, 4, 1024, "per_layer", 2 << 20)
+    cache = VirtualKVCache(spec, 4 * spec.physical_bytes_for(1024), make_vmm("cuda"), zero_unmapped=False)
+    slot = cache.alloc_slot(slot=3)
+    cache.ensure(slot, tokens)
+    k, v = (torch.randn(tokens, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k_rows, v_rows = cache.rows(1)
+    rows = cache.token_rows(slot, 0, tokens).to("cuda")
+    kernels.store_kv(k, v, k_rows, v_rows, rows)
+    assert torch.equal(k_rows[rows], k) and torch.equal(v_rows[rows], v)
+    cache.close()
+
+
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 128256), (256, 128256), (33, 4097), (5, 7)])
 def test_gumbel_argmax_draws_the_references_tokens(rows, vocab):
     from worker.sampling import noise_keys

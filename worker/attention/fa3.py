@@ -59,7 +59,8 @@ class FA3KVCache(FlashAttnKVCache):
     flash-attn's split-KV kernel by slot where FA3 has no decode tiles, or the batch is larger than they serve best."""
 
     def __init__(self):
-        self._fa3 = import_fa3().flash_attn_with_kvcache  # first: without FA3 the error names it, not flash-attn
+        fa3 = import_fa3()  # first: without FA3 the error names it, not flash-attn
+        self._fa3, self._fa3_schedule = fa3.flash_attn_with_kvcache, fa3.get_scheduler_metadata
         self.fa3_decodes = has_decode_tiles()
         # KV splits of an all-decode step (0: FA3's heuristic); VATTN_FA3_DECODE_SPLITS sets it, for measurement.
         self.decode_splits = int(os.environ.get("VATTN_FA3_DECODE_SPLITS", "0"))
@@ -71,19 +72,27 @@ class FA3KVCache(FlashAttnKVCache):
         super().__init__()
         self._tabled: AttentionMetadata | None = None  # the step the page table is for (every layer shares it)
         self._table: torch.Tensor | None = None
+        self._schedule: torch.Tensor | None = None  # an all-decode step's FA3 scheduler metadata, every layer's
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.max_query_len == 1 and (not self.fa3_decodes or len(meta.slots) > self.decode_tiles_max_batch):
             return super().forward(q, k_rows, v_rows, meta)
         page = page_rows(meta.slot_tokens, PAGE_TOKENS)
+        # A CUDA-graph step's table spans max_model_len, and FA3 sizes its KV split by the table: the decode-heavy
+        # workload's wall moved with max_model_len (docs/performance.md). An explicit split count is the A/B.
+        splits = self.decode_splits if meta.max_query_len == 1 else 0
         if meta is not self._tabled:
             pages = torch.arange(-(-meta.max_kv_len // page), device=q.device, dtype=torch.int32)
             self._table = meta.slots[:, None] * (meta.slot_tokens // page) + pages
             self._tabled = meta
+            # FA3 works out each sequence's KV blocks and splits in a kernel of its own before each call; for a decode
+            # step that is ~3 us in each of 32 layers, so the step works it out once and every layer reuses it, as vLLM
+            # does (the call then resets the tile counter the scheduler kept). Made with the arguments of the call below.
+            self._schedule = None if meta.max_query_len != 1 else self._fa3_schedule(
+                len(meta.slots), 1, self._table.shape[1] * page, q.shape[1], k_rows.shape[1], q.shape[2],
+                meta.seqused_k, qkv_dtype=q.dtype, cu_seqlens_q=meta.cu_seqlens_q, page_size=page, causal=True,
+                num_splits=splits)
         k_pages, v_pages = k_rows.unflatten(0, (-1, page)), v_rows.unflatten(0, (-1, page))
-        # A CUDA-graph step's table spans max_model_len, and FA3 sizes its KV split by the table: the decode-heavy
-        # workload's wall moved with max_model_len (docs/performance.md). An explicit split count is the A/B.
-        splits = self.decode_splits if meta.max_query_len == 1 else 0
         return self._fa3(q, k_pages, v_pages, cache_seqlens=meta.seqused_k, page_table=self._table,
                          cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_query_len, causal=True,
-                         num_splits=splits)
+                         num_splits=splits, scheduler_metadata=self._schedule)

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from worker import kernels
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.reference import gathered
 from worker.batch_invariant import precision
@@ -101,7 +102,7 @@ def attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: 
     group = heads // kv_heads
     qk_scale = 1.0 / math.sqrt(dim) * 1.4426950408889634  # log2(e): the kernel's exponentials are exp2
     _attention_kernel[(len(tile_seq), kv_heads)](
-        q, k_rows, v_rows, out, meta.seq_starts, meta.seqused_k, meta.cu_seqlens_q, tile_seq, tile_q0,
+        q, kernels.address(k_rows), kernels.address(v_rows), out, meta.seq_starts, meta.seqused_k, meta.cu_seqlens_q, tile_seq, tile_q0,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
         out.stride(0), out.stride(1), qk_scale,
         GROUP=group, GROUP_P=triton.next_power_of_2(group), TILE=tile, DIM=dim, DIM_P=triton.next_power_of_2(dim),
@@ -113,10 +114,12 @@ if triton is not None:
     # The per-step tables are read a word at a time, and where one starts depends on the step (a row of a packed
     # upload): specialising on their alignment compiled new kernels in the middle of a run (W1 on the H100).
     @triton.jit(do_not_specialize=["starts_ptr", "kv_lens_ptr", "cu_q_ptr", "tile_seq_ptr", "tile_q0_ptr"])
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, starts_ptr, kv_lens_ptr, cu_q_ptr, tile_seq_ptr, tile_q0_ptr,
+    def _attention_kernel(q_ptr, k_at, v_at, o_ptr, starts_ptr, kv_lens_ptr, cu_q_ptr, tile_seq_ptr, tile_q0_ptr,
                           stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ot, stride_oh,
                           qk_scale, GROUP: tl.constexpr, GROUP_P: tl.constexpr, TILE: tl.constexpr,
                           DIM: tl.constexpr, DIM_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        k_ptr = k_at.to(tl.int64).to(tl.pointer_type(q_ptr.dtype.element_ty))  # the cache's rows: ``kernels.address``
+        v_ptr = v_at.to(tl.int64).to(tl.pointer_type(q_ptr.dtype.element_ty))
         t = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq = tl.load(tile_seq_ptr + t)
