@@ -34,12 +34,14 @@ def padded_rows(n: int) -> int:
 class DecodeGraphs:
     def __init__(
         self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, max_batch: int, scratch: int,
-        tp: TPGroup = TPGroup(),
+        tp: TPGroup = TPGroup(), logits: bool = True,
     ):
         """``scratch``: a slot the caller holds, one token backed, where padding rows read and write. With ``tp``
         of several ranks each rank captures its shard's graphs, the all-reduces inside them, in lock-step with the
-        others (``_capture``)."""
+        others (``_capture``): every rank must replay them for the same steps, whether it samples or not.
+        ``logits=False``: a rank whose peer samples; its graphs end at the layers (no LM head)."""
         self.model, self.cache, self.backend, self.rope_table, self.tp = model, cache, backend, rope_table, tp
+        self.with_logits = logits
         self.dtype = next(model.parameters()).dtype
         self.device = rope_table.device
         self.buckets = sorted({min(b, max_batch) for b in BATCH_BUCKETS} | {max_batch})
@@ -64,9 +66,10 @@ class DecodeGraphs:
     def fits(self, chunks) -> bool:
         return len(chunks) <= self.buckets[-1] and all(len(c.token_ids) == 1 for c in chunks)
 
-    def logits(self, chunks, fill=None) -> torch.Tensor:
-        """``[len(chunks), vocab]`` logits of a decode step (the model's dtype: ``Transformer.logits``); ``fill``: a ``TokenFill`` of tokens still
-        on the device."""
+    def run(self, chunks, fill=None) -> torch.Tensor:
+        """Replay a decode step: ``[len(chunks), vocab]`` logits in the model's dtype (``Transformer.logits``), or
+        the last layer's output without them (``logits=False``); ``fill``: a ``TokenFill`` of tokens still on the
+        device."""
         if not self.graphs:
             self._capture_all()
         b = len(chunks)
@@ -131,7 +134,7 @@ class DecodeGraphs:
             block_tables=tables,
         )
         hidden = self.model(tokens, rope_for(self.rope_table, positions, self.dtype), AttentionStep(self.cache, self.backend, meta))
-        return self.model.logits(hidden)
+        return self.model.logits(hidden) if self.with_logits else hidden
 
     def _capture(self, size: int) -> None:
         side = torch.cuda.Stream(self.device)

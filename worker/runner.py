@@ -185,7 +185,7 @@ class ModelRunner:
                 raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
             if not (model.is_first and model.is_last) or scratch_slot is None:
                 raise ValueError("CUDA graphs need the whole model on one worker and a scratch slot")
-            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp)
+            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp, logits=samples)
         self._pads = self.device.type == "cuda" and model.is_last and samples
         if self._pads:
             self._warm_logits()
@@ -249,22 +249,28 @@ class ModelRunner:
         if not self.model.is_last:
             return LaunchedStep(chunks, done=StepOutput({}, self._eager_hidden(chunks, inputs, plan.fill)))
         wanted = tuple(i for i, c in enumerate(chunks) if c.num_samples) if self.samples else ()
-        prompt = any(c.prompt_targets for c in chunks) and self.samples
-        if not wanted:  # the layers still run: they write K/V (and join the TP all-reduces)
-            hidden = self._eager_hidden(chunks, inputs, plan.fill)
-            return LaunchedStep(chunks, done=StepOutput({}, prompt_logprobs=self._prompt_logprobs(chunks, hidden) if prompt else {}))
-        prompt_logprobs = {}
-        if self._graphs is not None and self._graphs.fits(chunks) and not prompt:
-            logits = self._graphs.logits(chunks, plan.fill)
-            logits = logits if len(wanted) == len(chunks) else logits[to_device(torch.tensor(wanted), self.device)]
-        else:
-            hidden = self._eager_hidden(chunks, inputs, plan.fill)
-            if prompt:
-                prompt_logprobs = self._prompt_logprobs(chunks, hidden)
-            rows = _ends(chunks)[list(wanted)]
-            if self._pads:  # repeats of the last row up to a size _warm_logits has seen
-                rows = torch.cat([rows, rows[-1:].expand(padded_rows(len(rows)) - len(rows))])
-            logits = self.model.logits(hidden[to_device(rows, self.device)])[: len(wanted)]
+        asks_prompt = any(c.prompt_targets for c in chunks)
+        # Decided alike on every TP rank, sampling or not: a rank replaying a graph and its peer running the step
+        # eagerly (or capturing at another time) join collectives of other shapes, and NCCL hangs (2xH200).
+        if self._graphs is not None and self._graphs.fits(chunks) and not asks_prompt:
+            out = self._graphs.run(chunks, plan.fill)  # the logits where this rank samples, else nothing to read
+            if not wanted:
+                return LaunchedStep(chunks, done=StepOutput({}))
+            return self._draw(chunks, wanted, out if len(wanted) == len(chunks) else
+                              out[to_device(torch.tensor(wanted), self.device)], {})
+        prompt = asks_prompt and self.samples
+        hidden = self._eager_hidden(chunks, inputs, plan.fill)  # the layers run on every rank: K/V, all-reduces
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden) if prompt else {}
+        if not wanted:
+            return LaunchedStep(chunks, done=StepOutput({}, prompt_logprobs=prompt_logprobs))
+        rows = _ends(chunks)[list(wanted)]
+        if self._pads:  # repeats of the last row up to a size _warm_logits has seen
+            rows = torch.cat([rows, rows[-1:].expand(padded_rows(len(rows)) - len(rows))])
+        return self._draw(chunks, wanted, self.model.logits(hidden[to_device(rows, self.device)])[: len(wanted)],
+                          prompt_logprobs)
+
+    def _draw(self, chunks: tuple[ScheduledChunk, ...], wanted: tuple[int, ...], logits: torch.Tensor,
+              prompt_logprobs: dict) -> LaunchedStep:
         if any(chunks[i].mask_later for i in wanted):  # the draw waits for masks: ``sample_late``
             return LaunchedStep(chunks, wanted, prompt_logprobs=prompt_logprobs, logits=logits)
         return replace(self._sample(chunks, wanted, logits), prompt_logprobs=prompt_logprobs)
