@@ -131,8 +131,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: tor
         v_rows[rows] = v
         return
     if tokens:
-        _store_kv_kernel[(tokens,)](k, v, address(k_rows), address(v_rows), rows, k.stride(0), v.stride(0), k_rows.stride(0),
-                                    v_rows.stride(0), n, BLOCK=triton.next_power_of_2(n))
+        _store_kv_kernel[(tokens,)](k, v, address(k_rows), address(v_rows), rows, k.stride(0), v.stride(0),
+                                    k_rows.stride(0), v_rows.stride(0), n, BLOCK=triton.next_power_of_2(n))
 
 
 # -- sampling -------------------------------------------------------------------------------------

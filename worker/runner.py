@@ -198,9 +198,9 @@ class ModelRunner:
         h = torch.zeros(BATCH_BUCKETS[-1], self.model.config.hidden_size, dtype=self._dtype, device=self.device)
         for rows in BATCH_BUCKETS:
             logits = self.model.logits(h[:rows])
-        # And the sampler's kernels, both paths: Triton compiles the draw's the first time it runs, which would
+        # And the sampler's kernels, both paths, over the model's logits and over float32 ones (a step whose rows ask
+        # for logprobs or penalties upcasts): Triton compiles the draw's the first time it runs, which would
         # otherwise stall the first step that samples a request (and every request batched with it).
-        # and the draw over float32 logits, which a step whose rows ask for logprobs or penalties passes.
         for rows, params in ((logits[:2], SamplingParams()), (logits[:2].float(), SamplingParams()),
                              (logits[:2], SamplingParams(top_k=2, top_p=0.5, min_p=0.1))):
             sample(rows, [params] * 2, [noise_keys(0, 0, 0)] * 2)

@@ -164,9 +164,10 @@ def noise_keys(seed: int, sample_index: int, output_index: int) -> tuple[int, in
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """One token id per row of ``logits`` ``[rows, vocab]`` (float32, or the model's dtype, read as float32), drawn under that row's ``params`` (none
-    greedy) with the noise its ``keys`` name (``noise_keys``), for the whole batch at once and on the device:
-    nothing waits for the device, so the next step can be launched with the result before anyone reads it."""
+    """One token id per row of ``logits`` ``[rows, vocab]`` (float32, or the model's dtype, read as float32), drawn
+    under that row's ``params`` (none greedy) with the noise its ``keys`` name (``noise_keys``), for the whole batch
+    at once and on the device: nothing waits for the device, so the next step can be launched with the result
+    before anyone reads it."""
     device = logits.device
     temperature = to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), device)
     key_words = to_device(torch.tensor(keys, dtype=torch.int64).reshape(len(params), 2), device)

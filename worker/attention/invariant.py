@@ -102,7 +102,8 @@ def attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: 
     group = heads // kv_heads
     qk_scale = 1.0 / math.sqrt(dim) * 1.4426950408889634  # log2(e): the kernel's exponentials are exp2
     _attention_kernel[(len(tile_seq), kv_heads)](
-        q, kernels.address(k_rows), kernels.address(v_rows), out, meta.seq_starts, meta.seqused_k, meta.cu_seqlens_q, tile_seq, tile_q0,
+        q, kernels.address(k_rows), kernels.address(v_rows), out, meta.seq_starts, meta.seqused_k, meta.cu_seqlens_q,
+        tile_seq, tile_q0,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
         out.stride(0), out.stride(1), qk_scale,
         GROUP=group, GROUP_P=triton.next_power_of_2(group), TILE=tile, DIM=dim, DIM_P=triton.next_power_of_2(dim),
