@@ -94,10 +94,12 @@ def reference(name: str, k, v, page, slots, q, lens, rows: int = 4) -> torch.Ten
 
 def fa3_calls(fa3_kvcache, q, k, v, lens, table, with_tiles: bool) -> dict:
     """FA3's decode over pages ``k``/``v`` through ``table``: batched queries (FA3's split heuristic), varlen
-    queries as the ``fa3`` backend calls it, and varlen with num_splits capped at 32 as vLLM calls it under CUDA
-    graphs; with decode tiles on and off where the build has them."""
-    cu_q = torch.arange(q.shape[0] + 1, device="cuda", dtype=torch.int32)
+    queries, varlen with num_splits capped at 32 as vLLM calls it under CUDA graphs, and varlen given a schedule
+    worked out once (as the ``fa3`` backend's decode steps call it: one schedule for every layer); with decode tiles
+    on and off where the build has them."""
     from flash_attn_interface import get_scheduler_metadata
+
+    cu_q = torch.arange(q.shape[0] + 1, device="cuda", dtype=torch.int32)
 
     schedules = {}  # per decode-tile setting: the schedule depends on the tile size
 
