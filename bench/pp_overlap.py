@@ -1,6 +1,8 @@
 """Pipeline parallelism launching ahead (issue 26): the Ray engine at PP=N with a micro-batch a stage in flight
 (the default) against one step at a time (``async_scheduling=False``), on the same requests, alternating (one step
-at a time, micro-batches, micro-batches, one step at a time) in one process. Both must give the same greedy tokens.
+at a time, micro-batches, micro-batches, one step at a time) in one process. In float32 (CPU) both must give the
+same greedy tokens; in bf16 (GPU) a step's batch changes its rounding, and random weights leave near-ties that then
+flip, so there the share of tokens alike is reported (each run against the first).
 
     python bench/pp_overlap.py --model llama-3-8b --pp 2 --name pp_overlap_h200x2          # W1 on two GPUs
     python bench/pp_overlap.py --model tiny --device cpu --requests 64 --min-prompt 32 --max-prompt 256 --output 64 \\
@@ -54,13 +56,17 @@ def main() -> None:
     prompts = random_prompts(PRESETS[args.model], args.requests, args.min_prompt, args.max_prompt)
     walls: dict[str, list[float]] = {mode: [] for mode in ORDER}
     steps: dict[str, list[dict]] = {mode: [] for mode in ORDER}
-    tokens = None
+    tokens, alike = None, []
     for mode in ORDER:
         wall, got, counts = timed(args, prompts, mode == "micro-batches")
-        if tokens is not None and got != tokens:
-            differ = sum(a != b for a, b in zip(got, tokens))
-            raise SystemExit(f"{mode}: {differ} of {len(got)} requests got other tokens than the first run")
-        tokens = got
+        if tokens is not None:
+            same = sum(a == b for g, t in zip(got, tokens) for a, b in zip(g, t)) / sum(map(len, tokens))
+            first = sum(g[0] == t[0] for g, t in zip(got, tokens)) / len(tokens)
+            alike.append({"run": mode, "tokens": same, "first_tokens": first})
+            print(f"{mode}: {same:.1%} of the tokens and {first:.1%} of the first tokens as in the first run")
+            if args.device == "cpu" and got != tokens:
+                raise SystemExit(f"{mode}: float32 tokens differ from the first run's")
+        tokens = tokens or got
         walls[mode].append(wall)
         steps[mode].append(counts)
         print(f"{mode}: {wall:.3f} s, {counts}", flush=True)
@@ -70,7 +76,7 @@ def main() -> None:
     report.write(args.name, [f"PP={args.pp}", "wall s (mean)", "x one step at a time", "steps", "sent while one ran"],
                  rows, {"workload": {"model": args.model, "requests": args.requests, "prompts": [args.min_prompt, args.max_prompt],
                                      "output": args.output},
-                        "order": ORDER, "walls_s": walls, "steps": steps, "tokens_alike": True})
+                        "order": ORDER, "walls_s": walls, "steps": steps, "tokens_alike": alike})
 
 
 if __name__ == "__main__":

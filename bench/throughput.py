@@ -121,11 +121,16 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
     ``...@ray`` for the Ray engine (a scheduler actor over worker actors; ``model`` a preset name), with
     ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``/sync`` and ``/async``
-    turn async scheduling off or on (default: the engine's); ``#k`` names a repeat. The warm-up runs every
+    turn async scheduling off or on (default: the engine's), ``/eager`` CUDA graphs off, ``/graphs`` on, ``/peer``
+    TP's small sums through peer memory (``disable_custom_all_reduce=False``); ``#k`` names a repeat. The warm-up runs every
     prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
-    spec, _, where = name.replace("/sync", "").replace("/async", "").partition("@")
+    graphs = False if "/eager" in name else True if "/graphs" in name else None
+    peer = {"disable_custom_all_reduce": False} if "/peer" in name else {}
+    for mode in ("/sync", "/async", "/eager", "/graphs", "/peer"):
+        name = name.replace(mode, "")
+    spec, _, where = name.partition("@")
     layout, _, attention = spec.partition(":")
     where, *dims = where.split("/")
     shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims}
@@ -134,7 +139,7 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     engine = dict(kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
                   max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
                   distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
-                  async_scheduling=overlap)
+                  async_scheduling=overlap, cuda_graphs=graphs, **peer)
     with LLM(model, **(engine | options)) as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
@@ -159,6 +164,7 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
                                 / max(1, after.num_steps - before.num_steps - decode_steps),
         "peak_kv_bytes": worker.peak_mapped_bytes, "kv_pool_bytes": worker.pool_bytes,  # per worker
         "peak_kv_bytes_per_worker": [w.peak_mapped_bytes for w in after.workers],
+        "peer_all_reduce": [w.peer_all_reduce for w in after.workers],
         "preemptions": after.num_preemptions - before.num_preemptions,
         "map_latency_p50_us": statistics.median(worker.map_latency_us) if worker.map_latency_us else 0.0,
         "stall_s": worker.stall_seconds - before.workers[0].stall_seconds,

@@ -2,8 +2,11 @@
 (NCCL between them), its KV cache and a ``ModelRunner``, stepping the same batch in lock-step -- prefill chunks,
 then decode steps eager and in CUDA graphs (the all-reduces captured in each rank's graphs). Per TP size: ms per
 prefill step of ``--chunk`` tokens and per decode step of ``--batch`` sequences, and the ratio to TP=1.
+With several ranks, each ``--all-reduce`` in turn: ``nccl`` (every sum), ``peer`` (small sums through peer memory,
+``worker.peer_all_reduce``, the engine's default), ``none`` (no sums at all: wrong tokens, the communication's
+share of a step).
 
-    python bench/tp_decode_graphs.py --tp 1 2 [--model llama-3-8b] [--batch 128] [--context 1024] [--attention fa2]
+    python bench/tp_decode_graphs.py --tp 1 2 [--all-reduce nccl peer none] [--model llama-3-8b] [--batch 128]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvmem.vmm import default_vmm
 from worker.attention import get_backend
 from worker.loader import build_model
 from worker.parallel import TPGroup
+from worker.peer_all_reduce import PeerAllReduce
 from worker.runner import ModelRunner, ScheduledChunk, StepPlan
 from worker.sampling import SamplingParams
 
@@ -49,14 +53,29 @@ def _say(rank: int, what: str) -> None:
     print(f"rank {rank}: {what}", file=sys.stderr, flush=True)
 
 
-def rank_main(rank: int, size: int, init: str, args: argparse.Namespace, out: str) -> None:
+class NoSums:
+    """``--all-reduce none``: every partial sum left as it is (and no barrier: graphs hold no collective)."""
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return True
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def rank_main(rank: int, size: int, mode: str, init: str, args: argparse.Namespace, out: str) -> None:
     faulthandler.dump_traceback_later(args.hang_s, repeat=True)  # a rank stuck in a collective shows where
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     if size > 1:
         torch.distributed.init_process_group("nccl", init_method=init, rank=rank, world_size=size, device_id=device)
     try:
-        tp = TPGroup(rank, size) if size > 1 else TPGroup()
+        tp = TPGroup()
+        if size > 1:
+            peer = NoSums() if mode == "none" else PeerAllReduce.connect(None, device) if mode == "peer" else None
+            if mode == "peer" and peer is None:
+                raise RuntimeError("--all-reduce peer: symmetric memory failed here (see the warning)")
+            tp = TPGroup(rank, size, peer=peer)
         model = build_model(args.model, torch.bfloat16, device, tp, seed=0)
         _say(rank, "model built")
         c = model.config
@@ -65,7 +84,7 @@ def rank_main(rank: int, size: int, init: str, args: argparse.Namespace, out: st
         spec = KVCacheSpec(c.num_layers, c.num_kv_heads // size, c.head_dim, torch.bfloat16, args.batch + 1,
                            max_tokens, "mega", 2 << 20)
         pool = (args.batch + 1) * spec.pages_for(max_tokens) * spec.num_buffers * spec.page_size
-        result = {"tp": size}
+        result = {"tp": size, "all_reduce": mode}
         with VirtualKVCache(spec, pool, default_vmm(device)) as cache:
             slots = [cache.alloc_slot(max_tokens) for _ in range(args.batch)]
             scratch = cache.alloc_slot(1)
@@ -131,6 +150,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--all-reduce", nargs="+", default=["nccl", "peer"], choices=["nccl", "peer", "none"])
     parser.add_argument("--attention", default="fa2")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
@@ -143,17 +163,19 @@ def main() -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.tp:
-            out = os.path.join(tmp, f"tp{size}.json")
-            mp.spawn(rank_main, args=(size, f"file://{tmp}/rendezvous{size}", args, out), nprocs=size, join=True)
+        runs = [(size, mode) for size in args.tp for mode in (args.all_reduce if size > 1 else ["-"])]
+        for i, (size, mode) in enumerate(runs):
+            out = os.path.join(tmp, f"run{i}.json")
+            mp.spawn(rank_main, args=(size, mode, f"file://{tmp}/rendezvous{i}", args, out), nprocs=size, join=True)
             with open(out) as f:
                 results.append(json.load(f))
             print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_raw")}), flush=True)
     base = results[0]
-    rows = [[r["tp"], r["prefill_ms"], r["prefill_ms"] / base["prefill_ms"], r["decode_eager_ms"],
+    rows = [[r["tp"], r["all_reduce"], r["prefill_ms"], r["prefill_ms"] / base["prefill_ms"], r["decode_eager_ms"],
              r["decode_graphs_ms"], r["decode_graphs_ms"] / base["decode_graphs_ms"]] for r in results]
-    report.write(args.name, ["TP", f"prefill ms ({args.chunk} tokens)", "x first", f"decode eager ms ({args.batch})",
-                             "decode graphs ms", "graphs x first"], rows, {"args": vars(args), "results": results})
+    report.write(args.name, ["TP", "all-reduce", f"prefill ms ({args.chunk} tokens)", "x first",
+                             f"decode eager ms ({args.batch})", "decode graphs ms", "graphs x first"], rows,
+                 {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -81,6 +81,11 @@ class EngineConfig:
     # The same request gives the same tokens whatever else is in the batch, however its prompt is chunked, preempted
     # or not: batch-invariant matmuls, attention ("invariant") and all-reduce (docs/deterministic.md).
     deterministic: bool = False
+    # False: TP on GPUs sums decode steps' partial results through peer memory, one kernel each
+    # (worker/peer_all_reduce.py; 0.66 ms of a 9.4 ms TP=2 decode step in graphs on 2xH200); True: NCCL for every sum
+    # (vLLM's spelling). True by default until the Ray GPU tests pass with it: its first run through Ray hung
+    # (docs/performance.md, "Two GPUs").
+    disable_custom_all_reduce: bool = True
 
 
 @dataclass(frozen=True)
@@ -289,7 +294,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if device == "cuda" and (attention in (*IN_PLACE, *PAGED_KERNELS) or attention == "paged") and not flash_dtype:
         raise ValueError(f"attention {attention!r} runs FlashAttention kernels, which take float16 or bfloat16: got "
                          f"dtype={dtype_name!r} (attention='torch' runs float32)")
-    for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching", "zero_unmapped"):
+    for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching", "zero_unmapped", "disable_custom_all_reduce"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
     guard = config.kv_guard_tokens
@@ -300,14 +305,13 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"block_size must be an int >= 1 (tokens a block of the paged layout), got {block_size!r}")
     if attention in PAGED_KERNELS and block_size % 256:
         raise ValueError(f"attention {attention!r} reads blocks of a multiple of 256 tokens, got block_size={block_size}")
-    # With tensor parallelism each rank may capture its shard's graphs, the all-reduces inside them (NCCL collectives
-    # are capturable), and the ranks replay the same batch size in lock-step, as they run every step: asked for with
-    # cuda_graphs=True until the two-GPU tests have run it (docs/performance.md, "TP decode in CUDA graphs").
-    graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place and tp * pp == 1
+    # With tensor parallelism each rank captures its shard's graphs, the all-reduces inside them (NCCL collectives
+    # are capturable), and the ranks replay the same batch size in lock-step, as they run every step. A pipeline
+    # stage captures its own layers, the hand-off between stages outside them: asked for with cuda_graphs=True
+    # until the two-GPU tests have run it (docs/performance.md, "Two GPUs").
+    graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place and pp == 1
     if graphs and attention not in in_place:
         raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {in_place}, got {attention!r}")
-    if graphs and pp > 1:
-        raise ValueError("cuda_graphs run every layer on one worker: turn them off with pipeline parallelism")
     slots = config.max_num_seqs + (1 if graphs else 0)  # CUDA graphs hold one slot as scratch for padded rows
     page = block_size if layout == "paged" else config.page_size  # tokens per block, or bytes per page
     # Mega pages span a stage's layers: pad every stage to the longest so that all share tokens per page.
@@ -331,7 +335,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                      deferred_reclamation=config.deferred_reclamation, zero_unmapped=config.zero_unmapped,
                      kv_guard_tokens=config.kv_guard_tokens if config.zero_unmapped else None,
                      seed=config.seed, progress=config.progress,
-                     load_format=config.load_format, fills_placeholders=overlap, deterministic=config.deterministic)
+                     load_format=config.load_format, fills_placeholders=overlap, deterministic=config.deterministic,
+                     custom_all_reduce=not config.disable_custom_all_reduce)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]

@@ -149,7 +149,11 @@ class RayExecutor:
         init = ray.get(self._actors[0].address.remote()) if tp > 1 else None
         stages = [list(range(p * tp, (p + 1) * tp)) for p in range(self.plan.config.pipeline_parallel_size)]
         try:
-            ray.get([a.setup.remote(init, rank, world, stages) for rank, a in enumerate(self._actors)])
+            # TP ranks see every GPU of their node's workers (the peer-memory all-reduce maps its peers' buffers)
+            peers = gpu and tp > 1 and not self.plan.config.disable_custom_all_reduce
+            gpus = ray.get([a.gpu.remote() for a in self._actors]) if peers else [("", "")] * world
+            node_gpus = [tuple(g for n, g in gpus if n == node) for node, _ in gpus]
+            ray.get([a.setup.remote(init, rank, world, stages, node_gpus[rank]) for rank, a in enumerate(self._actors)])
             if not self.plan.is_sized:  # every worker's weights are in: the pools take a share of what is left
                 c = self.plan.config
                 budgets = ray.get([a.kv_memory_available.remote(c.kv_memory_fraction, world, c.gpu_memory_utilization)

@@ -72,6 +72,7 @@ class WorkerMemory:
     prefix_cache_pages: int = 0  # pages (per buffer) the prefix cache holds (some also mapped in running slots)
     prefix_cache_bytes: int = 0  # their physical bytes over all buffers
     device_seconds: float = 0.0  # the device time of the worker's steps (CUDA): wall time less this is device idle
+    peer_all_reduce: bool = False  # its TP sums go through peer memory (small ones), else through NCCL
 
     @property
     def fragmentation(self) -> float:
@@ -207,6 +208,6 @@ class Telemetry:
                 r.slots_in_use if r else 0, r.maps if r else 0, r.unmaps if r else 0, r.stall_seconds if r else 0.0,
                 r.busy_seconds if r else 0.0, r.swap_bytes if r else 0, tuple(self.latency[key]),
                 self.map_latency[key].copy(), cached, cached * w.kv_spec.page_bytes * w.kv_spec.num_buffers,
-                r.device_seconds if r else 0.0,
+                r.device_seconds if r else 0.0, r.peer_all_reduce if r else False,
             ))
         return tuple(out)

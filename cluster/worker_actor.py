@@ -3,6 +3,7 @@ scheduler actor's ``RayExecutor``."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import ray
@@ -22,6 +23,7 @@ class WorkerActor:
         self.config = config
         self.worker: Worker | None = None
         self._distributed = False
+        self._device: int | None = None  # this worker's CUDA device, selected again in every call (``_select_device``)
 
     def address(self) -> str:
         """A TCP rendezvous on this actor's node for torch.distributed (rank 0 only)."""
@@ -30,30 +32,45 @@ class WorkerActor:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, init_method: str | None, rank: int, world: int, stage_ranks: list[list[int]]) -> None:
+    def gpu(self) -> tuple[str, str]:
+        """This actor's node, and the GPU Ray lent it (the ``CUDA_VISIBLE_DEVICES`` Ray set: one id)."""
+        return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+    def setup(self, init_method: str | None, rank: int, world: int, stage_ranks: list[list[int]],
+              node_gpus: tuple[str, ...] = ()) -> None:
         """Join the TP groups (every rank creates every stage's group, in the same order), then build the
-        shard: model, cache, mapper."""
+        shard: model, cache, mapper. ``node_gpus``: the GPUs of this node's workers, to see them all (``_select``)."""
         cfg = self.config
         if cfg.device == "cuda":
-            torch.cuda.set_device(0)  # Ray shows this actor its one GPU as device 0
+            self._device = _select(node_gpus)
         group = None
         if init_method is not None:
             group = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank)
             self._distributed = True
         self.worker = Worker(cfg, tp_group=group)
         # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
-        self._hidden_device = torch.device("cuda", 0) if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
+        self._hidden_device = self.worker.device if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
+
+    def _select_device(self) -> None:
+        """Ray runs an actor's calls on several threads (the compiled graph's loop holds one of them), and a
+        thread's current CUDA device starts as device 0: with more than this worker's GPU visible (``_select``),
+        kernels that launch on the current device (Triton's, the graphs' streams) would go to another GPU."""
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
 
     def kv_memory_available(self, fraction: float | None, sharers: int, utilization: float | None = None) -> int:
+        self._select_device()
         return self.worker.kv_memory_available(fraction, sharers, utilization)
 
     def allocate(self, pool_bytes: int) -> None:
+        self._select_device()
         self.worker.allocate(pool_bytes)
 
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None):
         """The step; a stage before the last returns its hidden states for the next one (on its GPU when
         one next-stage reader takes them over NCCL, else in host memory). With async scheduling (one stage)
         the worker launches ahead: see ``execute_ahead``."""
+        self._select_device()
         if self.config.fills_placeholders:  # async scheduling, which has one pipeline stage
             return self.execute_ahead(step)
         out = self.worker.execute(step, inputs)
@@ -84,12 +101,15 @@ class WorkerActor:
         return WorkerOutput({}, self.worker.report())
 
     def accounting(self) -> SlotAccounting:
+        self._select_device()
         return self.worker.cache.accounting()
 
     def page_map(self) -> PageMap:
+        self._select_device()
         return self.worker.cache.page_map()
 
     def close(self) -> None:
+        self._select_device()
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -101,9 +121,25 @@ class WorkerActor:
 # Module-level on purpose: Ray pickles actor methods by value, and cloudpickle then takes along every
 # torch.distributed submodule whose name the method's code mentions (``self.config`` names
 # ``torch.distributed.config``, which does not pickle).
+def _select(node_gpus: tuple[str, ...]) -> int:
+    """Make this actor's GPU the current device; its index. With ``node_gpus`` (TP ranks on one node) every one of them
+    is made visible first, as vLLM's Ray workers do: the peer-memory all-reduce maps the other ranks' buffers into this
+    process. Too late once CUDA has started in this process (it then sees Ray's one GPU): that one, and NCCL sums."""
+    own = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    index = 0  # Ray shows this actor its one GPU as device 0
+    if own and own in node_gpus and len(set(node_gpus)) == len(node_gpus) > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
+        if torch.cuda.device_count() == len(node_gpus):
+            index = node_gpus.index(own)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = own
+    torch.cuda.set_device(index)
+    return index
+
+
 def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_ranks: list[list[int]], stage: int):
     backend = "nccl" if device == "cuda" else "gloo"
-    kwargs = {"device_id": torch.device("cuda", 0)} if device == "cuda" else {}
+    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
     if len(stage_ranks) == 1:
         return None  # one stage: its TP group is the whole world, the default group

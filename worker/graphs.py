@@ -39,9 +39,11 @@ class DecodeGraphs:
         """``scratch``: a slot the caller holds, one token backed, where padding rows read and write. With ``tp``
         of several ranks each rank captures its shard's graphs, the all-reduces inside them, in lock-step with the
         others (``_capture``): every rank must replay them for the same steps, whether it samples or not.
-        ``logits=False``: a rank whose peer samples; its graphs end at the layers (no LM head)."""
+        ``logits=False``: a rank whose peer samples; its graphs end at the layers (no LM head). A pipeline stage
+        after the first replays its layers over the previous stage's output (``run``'s ``hidden``); one before the
+        last ends at its layers too."""
         self.model, self.cache, self.backend, self.rope_table, self.tp = model, cache, backend, rope_table, tp
-        self.with_logits = logits
+        self.with_logits = logits and model.is_last
         self.dtype = next(model.parameters()).dtype
         self.device = rope_table.device
         self.buckets = sorted({min(b, max_batch) for b in BATCH_BUCKETS} | {max_batch})
@@ -49,6 +51,8 @@ class DecodeGraphs:
         # Rows: token, position, slot. Everything else the step needs follows from them on the device (and,
         # for a paged cache, from the block tables).
         self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)
+        self.hidden = None if model.is_first else torch.zeros(max_batch, model.config.hidden_size, dtype=self.dtype,
+                                                              device=self.device)
         self.paged = backend.reads == "blocks"
         width = -(-cache.spec.max_tokens // cache.block_size) if self.paged else 0
         self.tables = torch.zeros(max_batch, width, dtype=torch.int32, device=self.device)
@@ -66,10 +70,11 @@ class DecodeGraphs:
     def fits(self, chunks) -> bool:
         return len(chunks) <= self.buckets[-1] and all(len(c.token_ids) == 1 for c in chunks)
 
-    def run(self, chunks, fill=None) -> torch.Tensor:
+    def run(self, chunks, fill=None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Replay a decode step: ``[len(chunks), vocab]`` logits in the model's dtype (``Transformer.logits``), or
-        the last layer's output without them (``logits=False``); ``fill``: a ``TokenFill`` of tokens still on the
-        device."""
+        the last layer's output without them (``logits=False``, a stage before the last: read it before the next
+        replay); ``fill``: a ``TokenFill`` of tokens still on the device; ``hidden``: the previous stage's output,
+        a row per chunk (a stage after the first)."""
         if not self.graphs:
             self._capture_all()
         b = len(chunks)
@@ -83,6 +88,8 @@ class DecodeGraphs:
         self.inputs[:, :size].copy_(to_device(host, self.device))
         if fill is not None:
             fill.apply(self.inputs[0], list(fill.chunks))
+        if self.hidden is not None:
+            self.hidden[:b].copy_(hidden, non_blocking=True)  # padding rows keep whatever they held: scratch reads it
         if self.paged:
             # Columns past a row's blocks keep stale ids, which the kernel never reads (it stops at the length).
             tables = self.cache.block_tables([c.slot for c in chunks] + [self.scratch] * pad)
@@ -133,7 +140,8 @@ class DecodeGraphs:
             max_kv_len=self.cache.spec.max_tokens,
             block_tables=tables,
         )
-        hidden = self.model(tokens, rope_for(self.rope_table, positions, self.dtype), AttentionStep(self.cache, self.backend, meta))
+        x = tokens if self.hidden is None else self.hidden[:size]
+        hidden = self.model(x, rope_for(self.rope_table, positions, self.dtype), AttentionStep(self.cache, self.backend, meta))
         return self.model.logits(hidden) if self.with_logits else hidden
 
     def _capture(self, size: int) -> None:

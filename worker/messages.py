@@ -76,6 +76,7 @@ class WorkerReport:
     map_latency_us: tuple[float, ...]  # samples since the previous report
     # cumulative device time of its steps (CUDA; 0 elsewhere): a run's wall time less this is the device idle
     device_seconds: float = 0.0
+    peer_all_reduce: bool = False  # TP sums through peer memory (``worker.peer_all_reduce``), else NCCL alone
 
 
 @dataclass(frozen=True)

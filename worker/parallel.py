@@ -23,6 +23,9 @@ class TPGroup:
     # Sums in rank order (``deterministic=True``): NCCL's ring and tree add a chunk's partial sums in an order
     # that depends on which chunk an element falls in, so on the tensor's size, so on the batch.
     ordered: bool = False
+    # Small sums through peer memory (``PeerAllReduce``: one kernel, the ranks' parts added in rank order, so
+    # ``ordered`` holds too); None: NCCL takes every sum.
+    peer: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -36,6 +39,8 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer.all_reduce(x)
         import torch.distributed as dist
 
         if not self.ordered or self.size == 2:  # a + b == b + a: two ranks' sum is the same whatever the order

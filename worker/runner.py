@@ -168,8 +168,8 @@ class ModelRunner:
         tp: TPGroup = TPGroup(),
     ):
         """``graph_batch`` > 0: decode steps of up to that many sequences replay CUDA graphs (CUDA, a
-        backend that does not gather, every layer on this worker; ``tp``: this rank's group, whose ranks capture
-        theirs in lock-step); padding rows use ``scratch_slot``, a slot the caller holds with one token backed.
+        backend that does not gather; ``tp``: this rank's group, whose ranks capture theirs in lock-step; a pipeline
+        stage its own layers); padding rows use ``scratch_slot``, a slot the caller holds with one token backed.
         ``samples=False``: a TP rank whose peer samples."""
         self.model = model
         self.cache = cache
@@ -183,8 +183,8 @@ class ModelRunner:
         if graph_batch:
             if self.device.type != "cuda" or backend.reads == "rows":
                 raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
-            if not (model.is_first and model.is_last) or scratch_slot is None:
-                raise ValueError("CUDA graphs need the whole model on one worker and a scratch slot")
+            if scratch_slot is None:
+                raise ValueError("CUDA graphs need a scratch slot")
             self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp, logits=samples)
         self._pads = self.device.type == "cuda" and model.is_last and samples
         if self._pads:
@@ -246,14 +246,18 @@ class ModelRunner:
                 raise ValueError(f"seq {c.seq_id}: tokens up to {c.start + len(c.token_ids)} but slot {c.slot} backs {held}")
         if (inputs is None) != self.model.is_first:
             raise ValueError("the first pipeline stage takes token ids, every later one the previous stage's output")
-        if not self.model.is_last:
-            return LaunchedStep(chunks, done=StepOutput({}, self._eager_hidden(chunks, inputs, plan.fill)))
-        wanted = tuple(i for i, c in enumerate(chunks) if c.num_samples) if self.samples else ()
         asks_prompt = any(c.prompt_targets for c in chunks)
         # Decided alike on every TP rank, sampling or not: a rank replaying a graph and its peer running the step
         # eagerly (or capturing at another time) join collectives of other shapes, and NCCL hangs (2xH200).
-        if self._graphs is not None and self._graphs.fits(chunks) and not asks_prompt:
-            out = self._graphs.run(chunks, plan.fill)  # the logits where this rank samples, else nothing to read
+        graphed = self._graphs is not None and self._graphs.fits(chunks) and not asks_prompt
+        if not self.model.is_last:
+            # A copy: the next replay of this bucket overwrites the graph's output while the hand-off may still read it.
+            hidden = (self._graphs.run(chunks, plan.fill, inputs)[: len(chunks)].clone() if graphed
+                      else self._eager_hidden(chunks, inputs, plan.fill))
+            return LaunchedStep(chunks, done=StepOutput({}, hidden))
+        wanted = tuple(i for i, c in enumerate(chunks) if c.num_samples) if self.samples else ()
+        if graphed:
+            out = self._graphs.run(chunks, plan.fill, inputs)  # the logits where this rank samples, else nothing to read
             if not wanted:
                 return LaunchedStep(chunks, done=StepOutput({}))
             return self._draw(chunks, wanted, out if len(wanted) == len(chunks) else

@@ -21,6 +21,7 @@ from worker.loader import build_model
 from worker.messages import PLACEHOLDER, NewSeq, StepInput, WorkerReport
 from worker.model import Transformer
 from worker.parallel import TPGroup
+from worker.peer_all_reduce import PeerAllReduce
 from worker.runner import LaunchedStep, ModelRunner, ScheduledChunk, StepOutput, StepPlan, TokenFill
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class WorkerConfig:
     # sampled for it last (the scheduler has not seen it yet); so every TP rank samples.
     fills_placeholders: bool = False
     deterministic: bool = False  # batch-invariant matmuls and all-reduce (the plan picks the invariant attention)
+    custom_all_reduce: bool = True  # TP on GPUs: small sums through peer memory (``PeerAllReduce``) where it works
 
 
 class Worker:
@@ -79,7 +81,12 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device)
         self._backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
-        tp = self.tp = TPGroup(config.tp_rank, config.tp_size, tp_group, ordered=config.deterministic)
+        if self.device.type == "cuda" and self.device.index is None:  # the one this process selected (a Ray actor's)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        peer = None
+        if config.tp_size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
+            peer = PeerAllReduce.connect(tp_group, self.device)
+        tp = self.tp = TPGroup(config.tp_rank, config.tp_size, tp_group, ordered=config.deterministic, peer=peer)
         self.model = model or build_model(config.model, config.dtype, self.device, tp, config.layers, config.seed,
                                           config.progress, config.load_format)
         self.model.set_batch_invariant(config.deterministic)  # a model handed in may have run in the other mode
@@ -270,7 +277,7 @@ class Worker:
         self._reported_maps = maps
         return WorkerReport(self.config.pp_rank, self.config.tp_rank, self.cache.slots_in_use(), self.cache.mapped_bytes(),
                             self.cache.free_pages(), maps, unmaps, stall, self._busy, self.swap.used_bytes if self.swap else 0,
-                            latencies, self._device)
+                            latencies, self._device, self.tp.peer is not None)
 
     def close(self) -> None:
         """Stop the mapper and give every byte of KV memory back."""

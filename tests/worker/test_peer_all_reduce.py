@@ -1,0 +1,99 @@
+"""The peer-memory all-reduce on two GPUs (two processes, NCCL beside it): the same sums as NCCL's, eagerly and
+replayed from a CUDA graph, and NCCL for what it does not take."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import cuda_missing
+from worker.parallel import TPGroup
+from worker.peer_all_reduce import PeerAllReduce
+
+pytestmark = pytest.mark.gpu
+
+
+def _rank(rank: int, init: str, out: str) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl", init_method=init, rank=rank, world_size=2, device_id=device)
+    try:
+        peer = PeerAllReduce.connect(None, device)
+        assert peer is not None, "symmetric memory failed on this machine (the warning says why)"
+        tp, nccl = TPGroup(rank, 2, peer=peer), TPGroup(rank, 2)
+        g = torch.Generator(device=device).manual_seed(rank)
+        results = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            for rows in (1, 3, 128, 256):
+                x = torch.randn(rows, 4096, generator=g, device=device).to(dtype)
+                assert peer.fits(x) == (rows * 4096 * x.element_size() <= peer.max_bytes)
+                results[f"{dtype}-{rows}"] = (tp.all_reduce(x.clone()).cpu(), nccl.all_reduce(x.clone()).cpu())
+        # In a graph: the copy into the shared buffer, the barrier and the peer reads replay with new inputs.
+        static = torch.zeros(64, 4096, dtype=torch.bfloat16, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            tp.all_reduce(static.clone())  # warm-up outside the graph
+        torch.cuda.current_stream(device).wait_stream(stream)
+        tp.barrier(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            summed = tp.all_reduce(static * 1)
+        for i in range(3):
+            x = torch.randn(64, 4096, generator=g, device=device).to(torch.bfloat16)
+            static.copy_(x)
+            graph.replay()
+            results[f"graph-{i}"] = (summed.cpu(), nccl.all_reduce(x.clone()).cpu())
+        torch.cuda.synchronize(device)
+        del graph
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_peer_sums_are_nccls_eager_and_in_a_graph(tmp_path):
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    out = str(tmp_path / "sums")
+    mp.spawn(_rank, args=(f"file://{tmp_path}/rendezvous", out), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(f"{out}.{rank}")
+        assert len(results) == 11
+        for name, (peer, nccl) in results.items():
+            assert torch.equal(peer, nccl), name  # two ranks: a + b, rounded once, whoever adds
+
+
+def _isolated_rank(rank: int, init: str, out: str) -> None:
+    # As Ray lends a GPU: this process sees its own only (set before CUDA starts here).
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl", init_method=init, rank=rank, world_size=2, device_id=device)
+    try:
+        peer = PeerAllReduce.connect(None, device)
+        torch.save(peer is not None, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ranks_that_see_one_gpu_each_agree_whether_peer_memory_works(tmp_path):
+    # Whichever way it goes on this machine (Ray's workers see every GPU of their node's ranks, so that it works),
+    # every rank comes back with the same answer and none hangs.
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    out = str(tmp_path / "connected")
+    mp.spawn(_isolated_rank, args=(f"file://{tmp_path}/rendezvous", out), nprocs=2, join=True)
+    answers = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    assert answers[0] == answers[1]
+    print(f"peer memory between processes that see one GPU each: {'works' if answers[0] else 'fails'}")
