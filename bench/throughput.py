@@ -170,6 +170,8 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         "stall_s": worker.stall_seconds - before.workers[0].stall_seconds,
         "maps": worker.maps - before.workers[0].maps, "unmaps": worker.unmaps - before.workers[0].unmaps,
         "worker_busy_s": worker.busy_seconds - before.workers[0].busy_seconds,
+        # the first worker's steps on its device (CUDA events around each): the wall less this is the device idle
+        "device_s": worker.device_seconds - before.workers[0].device_seconds,
         "engine_step_s": after.step_seconds - before.step_seconds,
     }
 
@@ -270,7 +272,8 @@ def main() -> None:
         print(f"{pair}: wall {r['wall']:.3f}x, decode step {r['decode_step']:.3f}x")
     for name, r in runs.items():
         if "worker_busy_s" in r:
-            print(f"{name}: steps {r['engine_step_s']:.3f} s, of which the worker executed {r['worker_busy_s']:.3f} s; "
+            print(f"{name}: steps {r['engine_step_s']:.3f} s, of which the worker executed {r['worker_busy_s']:.3f} s "
+                  f"and its device ran {r['device_s']:.3f} s; "
                   f"decode step {r['mean_decode_step_ms']:.2f} ms, of which the worker {r['mean_decode_worker_ms']:.2f} ms; "
                   f"prefill step {r['mean_prefill_step_ms']:.1f} ms; mapping stall {r['stall_s']:.3f} s")
     report.write(stem, headers, rows, results, args.out)

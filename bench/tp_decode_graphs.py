@@ -3,10 +3,11 @@
 then decode steps eager and in CUDA graphs (the all-reduces captured in each rank's graphs). Per TP size: ms per
 prefill step of ``--chunk`` tokens and per decode step of ``--batch`` sequences, and the ratio to TP=1.
 With several ranks, each ``--all-reduce`` in turn: ``nccl`` (every sum), ``peer`` (small sums through peer memory,
-``worker.peer_all_reduce``, the engine's default), ``none`` (no sums at all: wrong tokens, the communication's
-share of a step).
+``worker.peer_all_reduce``), ``overlap`` (peer, and prefill products of ``--overlap-rows`` rows or more in halves
+whose sums overlap the next half's product: ``TPGroup.overlap_rows``), ``none`` (no sums at all: wrong tokens, the
+communication's share of a step).
 
-    python bench/tp_decode_graphs.py --tp 1 2 [--all-reduce nccl peer none] [--model llama-3-8b] [--batch 128]
+    python bench/tp_decode_graphs.py --tp 1 2 [--all-reduce nccl peer overlap none] [--model llama-3-8b] [--batch 128]
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ def rank_main(rank: int, size: int, mode: str, init: str, args: argparse.Namespa
     try:
         tp = TPGroup()
         if size > 1:
-            peer = NoSums() if mode == "none" else PeerAllReduce.connect(None, device) if mode == "peer" else None
-            if mode == "peer" and peer is None:
-                raise RuntimeError("--all-reduce peer: symmetric memory failed here (see the warning)")
-            tp = TPGroup(rank, size, peer=peer)
+            peer = NoSums() if mode == "none" else PeerAllReduce.connect(None, device) if mode in ("peer", "overlap") else None
+            if mode in ("peer", "overlap") and peer is None:
+                raise RuntimeError(f"--all-reduce {mode}: symmetric memory failed here (see the warning)")
+            tp = TPGroup(rank, size, peer=peer, overlap_rows=args.overlap_rows if mode == "overlap" else 0)
         model = build_model(args.model, torch.bfloat16, device, tp, seed=0)
         _say(rank, "model built")
         c = model.config
@@ -150,7 +151,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=8192)
-    parser.add_argument("--all-reduce", nargs="+", default=["nccl", "peer"], choices=["nccl", "peer", "none"])
+    parser.add_argument("--all-reduce", nargs="+", default=["nccl", "peer"], choices=["nccl", "peer", "overlap", "none"])
+    parser.add_argument("--overlap-rows", type=int, default=2048)
     parser.add_argument("--attention", default="fa2")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)

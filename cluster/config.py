@@ -82,7 +82,7 @@ class EngineConfig:
     # or not: batch-invariant matmuls, attention ("invariant") and all-reduce (docs/deterministic.md).
     deterministic: bool = False
     # False: TP on GPUs sums decode steps' partial results through peer memory, one kernel each
-    # (worker/peer_all_reduce.py; 0.66 ms of a 9.4 ms TP=2 decode step in graphs on 2xH200); True: NCCL for every sum
+    # (worker/peer_all_reduce.py; 0.2-0.7 ms less of a 9 ms TP=2 decode step in graphs on 2xH200); True: NCCL for every sum
     # (vLLM's spelling). True by default until the Ray GPU tests pass with it: its first run through Ray hung
     # (docs/performance.md, "Two GPUs").
     disable_custom_all_reduce: bool = True

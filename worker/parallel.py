@@ -26,6 +26,10 @@ class TPGroup:
     # Small sums through peer memory (``PeerAllReduce``: one kernel, the ranks' parts added in rank order, so
     # ``ordered`` holds too); None: NCCL takes every sum.
     peer: Any = field(default=None, compare=False, repr=False)
+    # > 0: a row-parallel product of at least this many rows (prefill chunks) is computed in two halves, the first
+    # half's sum running on NCCL's stream while the second half's product runs (``RowParallelLinear``); 0: one
+    # product, then its sum. Off until measured on two GPUs (bench/tp_decode_graphs.py --all-reduce overlap).
+    overlap_rows: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -100,4 +104,22 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.tp.size > 1 and 0 < self.tp.overlap_rows <= x.shape[0] and not self.batch_invariant
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):  # a graph: one stream, one sum
+            return self._overlapped(x)
         return self.tp.all_reduce(super().forward(x))
+
+    def _overlapped(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in two halves of rows, each half's sum started as soon as it is computed: NCCL adds the
+        first while the device computes the second (a prefill chunk's sums cost 12% of its step on 2xH200)."""
+        import torch.distributed as dist
+
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        half = x.shape[0] // 2
+        pending = []
+        for rows in (slice(0, half), slice(half, None)):
+            torch.matmul(x[rows], self.weight.t(), out=out[rows])
+            pending.append(dist.all_reduce(out[rows], group=self.tp.group, async_op=True))
+        for work in pending:
+            work.wait()  # the current stream waits for the sums; the host does not
+        return out

@@ -1,7 +1,8 @@
 """Small all-reduces over the TP ranks of one host through peer memory: each rank copies its partial sum into a
 buffer every rank has mapped (torch symmetric memory), and one kernel reads every peer's copy over NVLink and adds
-them in rank order (torch's ``one_shot_all_reduce``). A decode step's sums are 0.5-2 MiB each, two a layer; NCCL's
-ring takes several kernels' latency for each, this one kernel's. Larger sums (prefill chunks) stay with NCCL.
+them in rank order (torch's ``one_shot_all_reduce``). A decode step's sums are 0.5-2 MiB each, two a layer, where
+NCCL's latency dominates (docs/performance.md, "Two GPUs": 0.7-1.2 ms of 64 sums, against 0.5 ms this way). Larger
+sums (prefill chunks) stay with NCCL.
 
 No NVLink multicast (the machines keep it off): the one-shot kernel needs only peer loads. vLLM's custom all-reduce
 is the same idea in its own kernel."""

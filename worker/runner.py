@@ -252,7 +252,7 @@ class ModelRunner:
         graphed = self._graphs is not None and self._graphs.fits(chunks) and not asks_prompt
         if not self.model.is_last:
             # A copy: the next replay of this bucket overwrites the graph's output while the hand-off may still read it.
-            hidden = (self._graphs.run(chunks, plan.fill, inputs)[: len(chunks)].clone() if graphed
+            hidden = (self._graphs.run(chunks, plan.fill, inputs).clone() if graphed
                       else self._eager_hidden(chunks, inputs, plan.fill))
             return LaunchedStep(chunks, done=StepOutput({}, hidden))
         wanted = tuple(i for i, c in enumerate(chunks) if c.num_samples) if self.samples else ()

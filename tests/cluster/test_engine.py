@@ -309,6 +309,20 @@ def test_in_place_attention_needs_a_virtual_layout_on_cuda(layout, attention):
         LLM("tiny", kv_layout=layout, attention=attention, device="cpu")
 
 
+def test_cuda_graphs_default_on_every_tp_rank_and_are_asked_for_with_pipeline_stages():
+    from cluster.config import EngineConfig, plan
+
+    def graphs(**kw):  # plans only: no GPU needed
+        config = EngineConfig("llama-3-8b", device="cuda", attention="fa2", distributed="ray", max_num_seqs=128, **kw)
+        chosen = plan(config, PRESETS["llama-3-8b"], "cuda")
+        return [(w.graph_batch, w.scratch_slot) for w in chosen.workers]
+
+    assert graphs(tensor_parallel_size=2) == [(128, 0)] * 2  # every rank captures, over the same scratch slot
+    assert graphs(pipeline_parallel_size=2) == [(0, None)] * 2  # eager until the two-GPU tests have run stages' graphs
+    assert graphs(pipeline_parallel_size=2, cuda_graphs=True) == [(128, 0)] * 2
+    assert graphs(tensor_parallel_size=2, cuda_graphs=False) == [(0, None)] * 2
+
+
 def test_graphs_with_a_gathering_backend_are_refused_before_loading():
     with pytest.raises(ValueError, match="cuda_graphs need an attention backend that reads the cache in place"):
         LLM("tiny", attention="torch", cuda_graphs=True, device="cpu")

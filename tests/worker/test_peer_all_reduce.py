@@ -1,5 +1,6 @@
 """The peer-memory all-reduce on two GPUs (two processes, NCCL beside it): the same sums as NCCL's, eagerly and
-replayed from a CUDA graph, and NCCL for what it does not take."""
+replayed from a CUDA graph, and NCCL for what it does not take; and whether processes that see one GPU each (as
+Ray lends them) can share peer memory at all."""
 
 from __future__ import annotations
 
@@ -16,12 +17,32 @@ from worker.peer_all_reduce import PeerAllReduce
 pytestmark = pytest.mark.gpu
 
 
-def _rank(rank: int, init: str, out: str) -> None:
+def _join(rank: int, init: str, isolated: bool) -> torch.device:
+    """This process's GPU, in a group of two over NCCL; ``isolated``: it sees its own GPU only, as Ray lends one
+    (set before CUDA starts here)."""
+    if isolated:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", 0 if isolated else rank)
     torch.cuda.set_device(device)
     torch.distributed.init_process_group("nccl", init_method=init, rank=rank, world_size=2, device_id=device)
+    return device
+
+
+def _two_ranks(fn, tmp_path) -> list:
+    """What ``fn(rank, init, out)`` saved on each of two ranks, one process and GPU each."""
+    if cuda_missing():
+        pytest.skip(cuda_missing())
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    out = str(tmp_path / "saved")
+    mp.spawn(fn, args=(f"file://{tmp_path}/rendezvous", out), nprocs=2, join=True)
+    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+
+
+def _rank(rank: int, init: str, out: str) -> None:
+    device = _join(rank, init, isolated=False)
     try:
         peer = PeerAllReduce.connect(None, device)
         assert peer is not None, "symmetric memory failed on this machine (the warning says why)"
@@ -29,7 +50,7 @@ def _rank(rank: int, init: str, out: str) -> None:
         g = torch.Generator(device=device).manual_seed(rank)
         results = {}
         for dtype in (torch.bfloat16, torch.float32):
-            for rows in (1, 3, 128, 256):
+            for rows in (1, 3, 128, 256, 1024):  # 1024 rows: 8-16 MiB, past the buffer: NCCL's
                 x = torch.randn(rows, 4096, generator=g, device=device).to(dtype)
                 assert peer.fits(x) == (rows * 4096 * x.element_size() <= peer.max_bytes)
                 results[f"{dtype}-{rows}"] = (tp.all_reduce(x.clone()).cpu(), nccl.all_reduce(x.clone()).cpu())
@@ -57,27 +78,14 @@ def _rank(rank: int, init: str, out: str) -> None:
 
 
 def test_peer_sums_are_nccls_eager_and_in_a_graph(tmp_path):
-    if cuda_missing():
-        pytest.skip(cuda_missing())
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
-    out = str(tmp_path / "sums")
-    mp.spawn(_rank, args=(f"file://{tmp_path}/rendezvous", out), nprocs=2, join=True)
-    for rank in range(2):
-        results = torch.load(f"{out}.{rank}")
-        assert len(results) == 11
+    for results in _two_ranks(_rank, tmp_path):
+        assert len(results) == 13
         for name, (peer, nccl) in results.items():
             assert torch.equal(peer, nccl), name  # two ranks: a + b, rounded once, whoever adds
 
 
 def _isolated_rank(rank: int, init: str, out: str) -> None:
-    # As Ray lends a GPU: this process sees its own only (set before CUDA starts here).
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl", init_method=init, rank=rank, world_size=2, device_id=device)
+    device = _join(rank, init, isolated=True)
     try:
         peer = PeerAllReduce.connect(None, device)
         torch.save(peer is not None, f"{out}.{rank}")
@@ -88,12 +96,6 @@ def _isolated_rank(rank: int, init: str, out: str) -> None:
 def test_ranks_that_see_one_gpu_each_agree_whether_peer_memory_works(tmp_path):
     # Whichever way it goes on this machine (Ray's workers see every GPU of their node's ranks, so that it works),
     # every rank comes back with the same answer and none hangs.
-    if cuda_missing():
-        pytest.skip(cuda_missing())
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
-    out = str(tmp_path / "connected")
-    mp.spawn(_isolated_rank, args=(f"file://{tmp_path}/rendezvous", out), nprocs=2, join=True)
-    answers = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    answers = _two_ranks(_isolated_rank, tmp_path)
     assert answers[0] == answers[1]
     print(f"peer memory between processes that see one GPU each: {'works' if answers[0] else 'fails'}")

@@ -34,23 +34,26 @@ def step_logprobs(path: str, tp: TPGroup) -> list[dict[int, float]]:
         return [first.logprobs[1][0].top_logprobs, second.logprobs[1][0].top_logprobs]
 
 
-def _rank(rank: int, size: int, init: str, path: str, out: str) -> None:
+def _rank(rank: int, size: int, init: str, path: str, out: str, overlap_rows: int = 0) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
-        result = step_logprobs(path, TPGroup(rank, size))
+        result = step_logprobs(path, TPGroup(rank, size, overlap_rows=overlap_rows))
         torch.save(result, f"{out}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_give_the_single_rank_logits(tmp_path):
+@pytest.mark.parametrize("overlap_rows", [0, 4])
+def test_two_ranks_give_the_single_rank_logits(tmp_path, overlap_rows):
+    # overlap_rows=4: the prompt's 9-row products in halves, each half's sum started before the next half's product
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     expected = step_logprobs(str(tmp_path / "model"), TPGroup())
     out = str(tmp_path / "logprobs")
-    mp.spawn(_rank, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path / "model"), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path / "model"), out, overlap_rows), nprocs=2,
+             join=True)
     for rank in range(2):
         got = torch.load(f"{out}.{rank}")
         for want, have in zip(expected, got):
