@@ -21,6 +21,7 @@ import statistics
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
@@ -73,10 +74,11 @@ def rank_main(rank: int, size: int, mode: str, init: str, args: argparse.Namespa
     try:
         tp = TPGroup()
         if size > 1:
-            peer = NoSums() if mode == "none" else PeerAllReduce.connect(None, device) if mode in ("peer", "overlap") else None
+            tp = TPGroup(rank, size, overlap_rows=args.overlap_rows if mode == "overlap" else 0)
+            peer = NoSums() if mode == "none" else PeerAllReduce.connect(tp, device) if mode in ("peer", "overlap") else None
             if mode in ("peer", "overlap") and peer is None:
                 raise RuntimeError(f"--all-reduce {mode}: symmetric memory failed here (see the warning)")
-            tp = TPGroup(rank, size, peer=peer, overlap_rows=args.overlap_rows if mode == "overlap" else 0)
+            tp = replace(tp, peer=peer)
         model = build_model(args.model, torch.bfloat16, device, tp, seed=0)
         _say(rank, "model built")
         c = model.config

@@ -29,37 +29,35 @@ class PeerAllReduce:
         self.max_bytes = max_bytes
 
     @classmethod
-    def connect(cls, group, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> "PeerAllReduce | None":
-        """The buffer, exchanged over ``group`` (None: the default group) and checked with a sum every rank can
-        verify; None (NCCL then takes every sum) where symmetric memory does not work here, saying why. Every
-        rank must call it, and they agree: a rank whose check failed makes every rank return None."""
+    def connect(cls, tp, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> "PeerAllReduce | None":
+        """The buffer, exchanged over ``tp``'s group (a ``TPGroup``) and checked with a sum every rank can verify;
+        None (NCCL then takes every sum) where symmetric memory does not work here, saying why. Every rank must
+        call it, and they agree: a rank whose check failed makes every rank return None (``TPGroup.failed_rank``)."""
         import torch.distributed as dist
 
-        group = group if group is not None else dist.group.WORLD
+        group_name = (tp.group if tp.group is not None else dist.group.WORLD).group_name
         error = None
         peer = None
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
             buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-            symm_mem.rendezvous(buffer, group.group_name)
-            peer = cls(buffer, group.group_name, max_bytes)
+            symm_mem.rendezvous(buffer, group_name)
+            peer = cls(buffer, group_name, max_bytes)
             # Each rank adds rank + 1 in float32: the sum is n(n+1)/2 exactly, on every rank.
-            size = dist.get_world_size(group)
-            probe = torch.full((1024,), float(dist.get_rank(group) + 1), device=device)
+            probe = torch.full((1024,), float(tp.rank + 1), device=device)
             peer.all_reduce(probe)
-            if not bool((probe == size * (size + 1) / 2).all()):
-                raise RuntimeError(f"a probe sum over {size} ranks came out as {probe[0].item()}")
+            if not bool((probe == tp.size * (tp.size + 1) / 2).all()):
+                raise RuntimeError(f"a probe sum over {tp.size} ranks came out as {probe[0].item()}")
         except Exception as exc:  # no symmetric memory here (no peer access, an old driver): NCCL for everything
             error = exc
-        failed = torch.tensor([0.0 if error is None else 1.0], device=device)
-        dist.all_reduce(failed, group=group)  # NCCL: the ranks agree whether any failed
-        if failed.item():
-            if error is not None:
-                logger.warning("all-reduces stay on NCCL: symmetric memory over the TP group failed (%s: %s)",
-                               type(error).__name__, error)
-            return None
-        return peer
+        failed = tp.failed_rank(error is not None, device)  # over NCCL
+        if failed is None:
+            return peer
+        if error is not None:
+            logger.warning("all-reduces stay on NCCL: symmetric memory over the TP group failed (%s: %s)",
+                           type(error).__name__, error)
+        return None
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through peer memory: contiguous, 16-byte aligned, small enough, a type the kernel

@@ -83,10 +83,10 @@ class Worker:
         self._backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
         if self.device.type == "cuda" and self.device.index is None:  # the one this process selected (a Ray actor's)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        peer = None
+        tp = TPGroup(config.tp_rank, config.tp_size, tp_group, ordered=config.deterministic)
         if config.tp_size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
-            peer = PeerAllReduce.connect(tp_group, self.device)
-        tp = self.tp = TPGroup(config.tp_rank, config.tp_size, tp_group, ordered=config.deterministic, peer=peer)
+            tp = replace(tp, peer=PeerAllReduce.connect(tp, self.device))
+        self.tp = tp
         self.model = model or build_model(config.model, config.dtype, self.device, tp, config.layers, config.seed,
                                           config.progress, config.load_format)
         self.model.set_batch_invariant(config.deterministic)  # a model handed in may have run in the other mode

@@ -44,9 +44,10 @@ def _two_ranks(fn, tmp_path) -> list:
 def _rank(rank: int, init: str, out: str) -> None:
     device = _join(rank, init, isolated=False)
     try:
-        peer = PeerAllReduce.connect(None, device)
+        nccl = TPGroup(rank, 2)
+        peer = PeerAllReduce.connect(nccl, device)
         assert peer is not None, "symmetric memory failed on this machine (the warning says why)"
-        tp, nccl = TPGroup(rank, 2, peer=peer), TPGroup(rank, 2)
+        tp = TPGroup(rank, 2, peer=peer)
         g = torch.Generator(device=device).manual_seed(rank)
         results = {}
         for dtype in (torch.bfloat16, torch.float32):
@@ -87,7 +88,7 @@ def test_peer_sums_are_nccls_eager_and_in_a_graph(tmp_path):
 def _isolated_rank(rank: int, init: str, out: str) -> None:
     device = _join(rank, init, isolated=True)
     try:
-        peer = PeerAllReduce.connect(None, device)
+        peer = PeerAllReduce.connect(TPGroup(rank, 2), device)
         torch.save(peer is not None, f"{out}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
