@@ -60,14 +60,17 @@ class PeerAllReduce:
         return None
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through peer memory: contiguous, 16-byte aligned, small enough, a type the kernel
-        adds (float32 or bfloat16)."""
+        """Whether ``x`` goes through peer memory: contiguous, small enough, a whole number of 16-byte vectors, a type
+        the kernel adds (float32 or bfloat16). From its shape alone, so every rank decides alike (a rank summing
+        through peer memory while another waits in NCCL would hang both)."""
         nbytes = x.numel() * x.element_size()
         return (x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() and 0 < nbytes <= self.max_bytes
-                and nbytes % 16 == 0 and x.data_ptr() % 16 == 0)
+                and nbytes % 16 == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group, in place (``fits(x)`` must hold)."""
+        if x.data_ptr() % 16:  # a view off a 16-byte boundary: the kernel reads and writes 16-byte vectors
+            return x.copy_(self.all_reduce(x.clone()))  # a fresh allocation is aligned
         flat = x.view(-1)
         shared = self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
         # One kernel: the copy into the shared buffer, a barrier with the peers, their parts read and added into ``x``.

@@ -55,6 +55,12 @@ def _rank(rank: int, init: str, out: str) -> None:
                 x = torch.randn(rows, 4096, generator=g, device=device).to(dtype)
                 assert peer.fits(x) == (rows * 4096 * x.element_size() <= peer.max_bytes)
                 results[f"{dtype}-{rows}"] = (tp.all_reduce(x.clone()).cpu(), nccl.all_reduce(x.clone()).cpu())
+        # A view 8 bytes off a 16-byte boundary: summed through an aligned copy, written back into the view.
+        base = torch.randn(64 * 4096 + 4, generator=g, device=device).to(torch.bfloat16)
+        view = base[4:].view(64, 4096)
+        assert peer.fits(view) and view.data_ptr() % 16
+        want = nccl.all_reduce(view.clone()).cpu()
+        results["misaligned"] = (tp.all_reduce(view).cpu(), want)
         # In a graph: the copy into the shared buffer, the barrier and the peer reads replay with new inputs.
         static = torch.zeros(64, 4096, dtype=torch.bfloat16, device=device)
         stream = torch.cuda.Stream(device)
@@ -80,7 +86,7 @@ def _rank(rank: int, init: str, out: str) -> None:
 
 def test_peer_sums_are_nccls_eager_and_in_a_graph(tmp_path):
     for results in _two_ranks(_rank, tmp_path):
-        assert len(results) == 13
+        assert len(results) == 14
         for name, (peer, nccl) in results.items():
             assert torch.equal(peer, nccl), name  # two ranks: a + b, rounded once, whoever adds
 
