@@ -23,7 +23,8 @@ class WorkerActor:
         self.config = config
         self.worker: Worker | None = None
         self._distributed = False
-        self._device: int | None = None  # this worker's CUDA device, selected again in every call (``_select_device``)
+        # This worker's CUDA device where it sees more than its own GPU: selected again in every call (``_select_device``)
+        self._device: int | None = None
 
     def address(self) -> str:
         """A TCP rendezvous on this actor's node for torch.distributed (rank 0 only)."""
@@ -54,7 +55,8 @@ class WorkerActor:
     def _select_device(self) -> None:
         """Ray runs an actor's calls on several threads (the compiled graph's loop holds one of them), and a
         thread's current CUDA device starts as device 0: with more than this worker's GPU visible (``_select``),
-        kernels that launch on the current device (Triton's, the graphs' streams) would go to another GPU."""
+        kernels that launch on the current device (Triton's, the graphs' streams) would go to another GPU. With
+        its own GPU only, device 0 is it on every thread, and nothing is done."""
         if self._device is not None:
             torch.cuda.set_device(self._device)
 
@@ -121,20 +123,20 @@ class WorkerActor:
 # Module-level on purpose: Ray pickles actor methods by value, and cloudpickle then takes along every
 # torch.distributed submodule whose name the method's code mentions (``self.config`` names
 # ``torch.distributed.config``, which does not pickle).
-def _select(node_gpus: tuple[str, ...]) -> int:
-    """Make this actor's GPU the current device; its index. With ``node_gpus`` (TP ranks on one node) every one of them
-    is made visible first, as vLLM's Ray workers do: the peer-memory all-reduce maps the other ranks' buffers into this
-    process. Too late once CUDA has started in this process (it then sees Ray's one GPU): that one, and NCCL sums."""
+def _select(node_gpus: tuple[str, ...]) -> int | None:
+    """Make this actor's GPU the current device. With ``node_gpus`` (TP ranks on one node) every one of them is made
+    visible first, as vLLM's Ray workers do: the peer-memory all-reduce maps the other ranks' buffers into this
+    process; then this GPU's index among them, for every later call to select again. Too late once CUDA has started
+    in this process (it then sees Ray's one GPU): that one, and NCCL sums. None where it sees its own GPU only."""
     own = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    index = 0  # Ray shows this actor its one GPU as device 0
     if own and own in node_gpus and len(set(node_gpus)) == len(node_gpus) > 1:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
         if torch.cuda.device_count() == len(node_gpus):
-            index = node_gpus.index(own)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = own
-    torch.cuda.set_device(index)
-    return index
+            torch.cuda.set_device(node_gpus.index(own))
+            return node_gpus.index(own)
+        os.environ["CUDA_VISIBLE_DEVICES"] = own
+    torch.cuda.set_device(0)  # Ray shows this actor its one GPU as device 0
+    return None
 
 
 def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_ranks: list[list[int]], stage: int):
