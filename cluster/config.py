@@ -86,6 +86,10 @@ class EngineConfig:
     # (vLLM's spelling). True by default until the Ray GPU tests pass with it: its first run through Ray hung
     # (docs/performance.md, "Two GPUs").
     disable_custom_all_reduce: bool = True
+    # > 0: with TP, a row-parallel product of at least this many rows (a prefill chunk) runs in two halves, the first
+    # half's sum on NCCL while the second half is computed (``TPGroup.overlap_rows``); 0: one product, then its sum.
+    # Off until W1 on two GPUs says it pays (bench/throughput.py ``/overlap``).
+    tp_overlap_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -297,6 +301,9 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching", "zero_unmapped", "disable_custom_all_reduce"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
+    rows = config.tp_overlap_rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"tp_overlap_rows must be an int >= 0 (0: off), got {rows!r}")
     guard = config.kv_guard_tokens
     if guard is not None and (isinstance(guard, bool) or not isinstance(guard, int) or guard < 1):
         raise ValueError(f"kv_guard_tokens must be None or an int >= 1, got {guard!r}")
@@ -336,7 +343,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                      kv_guard_tokens=config.kv_guard_tokens if config.zero_unmapped else None,
                      seed=config.seed, progress=config.progress,
                      load_format=config.load_format, fills_placeholders=overlap, deterministic=config.deterministic,
-                     custom_all_reduce=not config.disable_custom_all_reduce)
+                     custom_all_reduce=not config.disable_custom_all_reduce, tp_overlap_rows=config.tp_overlap_rows)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]

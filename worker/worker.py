@@ -72,6 +72,7 @@ class WorkerConfig:
     fills_placeholders: bool = False
     deterministic: bool = False  # batch-invariant matmuls and all-reduce (the plan picks the invariant attention)
     custom_all_reduce: bool = True  # TP on GPUs: small sums through peer memory (``PeerAllReduce``) where it works
+    tp_overlap_rows: int = 0  # ``TPGroup.overlap_rows``
 
 
 class Worker:
@@ -83,7 +84,8 @@ class Worker:
         self._backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
         if self.device.type == "cuda" and self.device.index is None:  # the one this process selected (a Ray actor's)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        tp = TPGroup(config.tp_rank, config.tp_size, tp_group, ordered=config.deterministic)
+        tp = TPGroup(config.tp_rank, config.tp_size, tp_group, ordered=config.deterministic,
+                     overlap_rows=config.tp_overlap_rows)
         if config.tp_size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             tp = replace(tp, peer=PeerAllReduce.connect(tp, self.device))
         self.tp = tp

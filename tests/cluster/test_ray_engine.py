@@ -169,8 +169,9 @@ def test_a_kv_memory_fraction_too_small_for_one_page_is_refused_naming_it():
 def test_preemption_by_swap_across_tp_and_pp(hf_llama, layout):
     path, prompts, expected = hf_llama
     kv = demand(path, layout, 2, 2, prompts) // 4
+    # tp_overlap_rows: prefill products of 4 rows or more in halves, each half's sum overlapping the next product
     with LLM(path, distributed="ray", tensor_parallel_size=2, pipeline_parallel_size=2, kv_layout=layout,
-             kv_memory=kv, preemption_mode="swap", dtype="float32", **SMALL) as llm:
+             kv_memory=kv, preemption_mode="swap", dtype="float32", tp_overlap_rows=4, **SMALL) as llm:
         assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)] == expected
         snap = llm.snapshot()
         assert snap.num_preemptions > 0 and all(w.swap_bytes == 0 for w in snap.workers)
@@ -353,6 +354,7 @@ def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an int >= 1, got 0"),
         (dict(preemption_mode="drop"), "preemption_mode must be 'recompute' or 'swap', got 'drop'"),
         (dict(async_scheduling="yes"), "async_scheduling must be a bool or None, got 'yes'"),
+        (dict(tp_overlap_rows=-1), r"tp_overlap_rows must be an int >= 0 \(0: off\), got -1"),
         (dict(kv_memory_fraction=0), r"kv_memory_fraction must be a number in \(0, 1\], got 0"),
         (dict(kv_memory_fraction=1.5), r"kv_memory_fraction must be a number in \(0, 1\], got 1.5"),
     ],
