@@ -44,6 +44,29 @@ def kernel_seconds(prof) -> tuple[float, list[tuple[str, float, int]]]:
     return busy / 1e6, top
 
 
+# A kernel's kind: the first whose patterns its name (lower case) holds; "other" for none.
+KERNEL_KINDS = (
+    ("all-reduce", ("nccl", "allreduce", "all_reduce")),
+    ("attention", ("flash", "fmha", "attn")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
+    ("norm", ("rms_norm",)),
+    ("activation", ("silu",)),
+    ("rope", ("rope",)),
+    ("kv store", ("store_kv",)),
+)
+
+
+def kernel_kinds(prof) -> dict[str, float]:
+    """Seconds of GPU kernel time by kind (``KERNEL_KINDS``), overlapping kernels each counted in full."""
+    kinds: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            name = e.name.lower()
+            kind = next((k for k, patterns in KERNEL_KINDS if any(p in name for p in patterns)), "other")
+            kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 1e6
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
 def timed_steps(llm: LLM, count: int, every: bool) -> list[tuple[float, int, int, int]]:
     """``count`` steps, each synchronised: (wall s, sequences, tokens, prefill tokens) of each. ``every``: every
     request's output is built each step (as streaming does), else only the finished ones' (as ``generate``)."""
@@ -68,7 +91,7 @@ def profiled_steps(llm: LLM, count: int, every: bool) -> dict:
     steps = bare + profiled
     return {"steps": count, "wall_s": sum(s[0] for s in bare), "profiled_wall_s": sum(s[0] for s in profiled),
             "kernel_s": busy, "seqs": [s[1] for s in steps], "tokens": [s[2] for s in steps],
-            "prefill_tokens": [s[3] for s in steps], "top_kernels": top}
+            "prefill_tokens": [s[3] for s in steps], "top_kernels": top, "kernel_kinds_s": kernel_kinds(prof)}
 
 
 def main() -> None:

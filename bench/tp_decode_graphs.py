@@ -5,9 +5,11 @@ prefill step of ``--chunk`` tokens and per decode step of ``--batch`` sequences,
 With several ranks, each ``--all-reduce`` in turn: ``nccl`` (every sum), ``peer`` (small sums through peer memory,
 ``worker.peer_all_reduce``), ``overlap`` (peer, and prefill products of ``--overlap-rows`` rows or more in halves
 whose sums overlap the next half's product: ``TPGroup.overlap_rows``), ``none`` (no sums at all: wrong tokens, the
-communication's share of a step).
+communication's share of a step). ``--profile N``: N more decode steps of each kind under torch.profiler on rank 0,
+its kernel time by kind (matmul, attention, all-reduce, norm, ...) per step: what a TP rank's step does not halve.
 
     python bench/tp_decode_graphs.py --tp 1 2 [--all-reduce nccl peer overlap none] [--model llama-3-8b] [--batch 128]
+        [--attention flash_attn] [--profile 5]
 """
 
 from __future__ import annotations
@@ -49,6 +51,23 @@ def _timed(fn, steps: int) -> list[float]:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def _kernels(fn, steps: int) -> dict:
+    """``steps`` calls under the profiler: per step, the union of this rank's kernel time, that time by kind, and
+    the kernels that took the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from step_profile import kernel_kinds, kernel_seconds
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    busy, top = kernel_seconds(prof)
+    return {"kernel_ms": busy * 1e3 / steps, "by_kind_ms": {k: t * 1e3 / steps for k, t in kernel_kinds(prof).items()},
+            "top_ms": [(n, t * 1e3 / steps, c // steps) for n, t, c in top]}
 
 
 def _say(rank: int, what: str) -> None:
@@ -133,6 +152,8 @@ def rank_main(rank: int, size: int, mode: str, init: str, args: argparse.Namespa
                 times = _timed(lambda r=runner: decode(r), args.steps)
                 result[f"decode_{name}_ms"] = statistics.median(times)
                 result[f"decode_{name}_raw"] = times
+                if args.profile:  # on every rank: their collectives pair up; rank 0's result is kept
+                    result[f"decode_{name}_kernels"] = _kernels(lambda r=runner: decode(r), args.profile)
             graphed.close()  # before the process group: destroying it under live graphs hung on 2xH200
         if rank == 0:
             with open(out, "w") as f:
@@ -158,6 +179,7 @@ def main() -> None:
     parser.add_argument("--attention", default="fa2")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=0, help="decode steps of each kind profiled on rank 0")
     parser.add_argument("--hang-s", type=float, default=120, help="dump every rank's stack after this long, and again")
     parser.add_argument("--name", default="tp_decode_graphs")
     args = parser.parse_args()
@@ -173,7 +195,13 @@ def main() -> None:
             mp.spawn(rank_main, args=(size, mode, f"file://{tmp}/rendezvous{i}", args, out), nprocs=size, join=True)
             with open(out) as f:
                 results.append(json.load(f))
-            print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_raw")}), flush=True)
+            print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith(("_raw", "_kernels"))}), flush=True)
+            for name in ("eager", "graphs"):
+                if f"decode_{name}_kernels" in results[-1]:
+                    k = results[-1][f"decode_{name}_kernels"]
+                    kinds = "  ".join(f"{kind} {ms:.2f}" for kind, ms in k["by_kind_ms"].items())
+                    print(f"  TP={size} {mode} decode {name}, rank 0 kernels {k['kernel_ms']:.2f} ms a step: {kinds}",
+                          flush=True)
     base = results[0]
     rows = [[r["tp"], r["all_reduce"], r["prefill_ms"], r["prefill_ms"] / base["prefill_ms"], r["decode_eager_ms"],
              r["decode_graphs_ms"], r["decode_graphs_ms"] / base["decode_graphs_ms"]] for r in results]

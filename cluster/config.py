@@ -314,9 +314,9 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
         raise ValueError(f"attention {attention!r} reads blocks of a multiple of 256 tokens, got block_size={block_size}")
     # With tensor parallelism each rank captures its shard's graphs, the all-reduces inside them (NCCL collectives
     # are capturable), and the ranks replay the same batch size in lock-step, as they run every step. A pipeline
-    # stage captures its own layers, the hand-off between stages outside them: asked for with cuda_graphs=True
-    # until the two-GPU tests have run it (docs/performance.md, "Two GPUs").
-    graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place and pp == 1
+    # stage captures its own layers, the hand-off between stages outside them (W1 at PP=2 on 2xH200: 3.48 s in
+    # graphs, 6.51 s eager; docs/performance.md, "Two GPUs").
+    graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place
     if graphs and attention not in in_place:
         raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {in_place}, got {attention!r}")
     slots = config.max_num_seqs + (1 if graphs else 0)  # CUDA graphs hold one slot as scratch for padded rows

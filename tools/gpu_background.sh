@@ -10,6 +10,10 @@
 # The command runs in a copy of the repository (/tmp/bg/repo: later calls re-sync the working tree and remove carried
 # paths they do not carry), with $BG_OUT (/tmp/bg/out) for its results. Builds and installs the command needs (FA3,
 # flash-attn, the vLLM bundle) go to /tmp beforehand as bench/README.md says; .gpu/vllm and .sdist are not copied.
+# Send the output of anything that starts Ray (pytest's ray.init, the engine) to a file, not down a pipe: Ray's
+# daemons inherit the pipe and can hold it open after the command ends, and the pipeline then waits for ever (a loop
+# of Ray GPU tests stopped after its first test that way on 2026-11-27). `pkill -f` with a plain word ("raylet")
+# matches the command line that names it too: write "[r]aylet".
 set -euo pipefail
 bg=/tmp/bg
 case "${1:-}" in

@@ -309,7 +309,7 @@ def test_in_place_attention_needs_a_virtual_layout_on_cuda(layout, attention):
         LLM("tiny", kv_layout=layout, attention=attention, device="cpu")
 
 
-def test_cuda_graphs_default_on_every_tp_rank_and_are_asked_for_with_pipeline_stages():
+def test_cuda_graphs_default_on_every_tp_rank_and_pipeline_stage():
     from cluster.config import EngineConfig, plan
 
     def graphs(**kw):  # plans only: no GPU needed
@@ -318,9 +318,10 @@ def test_cuda_graphs_default_on_every_tp_rank_and_are_asked_for_with_pipeline_st
         return [(w.graph_batch, w.scratch_slot) for w in chosen.workers]
 
     assert graphs(tensor_parallel_size=2) == [(128, 0)] * 2  # every rank captures, over the same scratch slot
-    assert graphs(pipeline_parallel_size=2) == [(0, None)] * 2  # eager until the two-GPU tests have run stages' graphs
-    assert graphs(pipeline_parallel_size=2, cuda_graphs=True) == [(128, 0)] * 2
+    assert graphs(pipeline_parallel_size=2) == [(128, 0)] * 2  # every stage its layers
+    assert graphs(tensor_parallel_size=2, pipeline_parallel_size=2) == [(128, 0)] * 4
     assert graphs(tensor_parallel_size=2, cuda_graphs=False) == [(0, None)] * 2
+    assert graphs(pipeline_parallel_size=2, cuda_graphs=False) == [(0, None)] * 2
 
 
 def test_graphs_with_a_gathering_backend_are_refused_before_loading():

@@ -77,7 +77,7 @@ def test_a_kv_memory_fraction_sizes_the_gpu_workers_pools(gpus):
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_two_gpus_decode_in_cuda_graphs_and_agree_with_eager(gpus, tp, pp):
     # TP: each rank captures its shard's decode graphs with the all-reduces (peer memory) inside; PP: each stage its
-    # layers, the hand-off outside (both asked for: PP's graphs are not the default yet). bf16, so against the same engine run eagerly: the first token of every prompt
+    # layers, the hand-off outside. bf16, so against the same engine run eagerly: the first token of every prompt
     # the same (prefill runs eagerly in both) and nearly all the rest.
     if gpus < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {gpus}")
