@@ -123,26 +123,29 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``/sync`` and ``/async``
     turn async scheduling off or on (default: the engine's), ``/eager`` CUDA graphs off, ``/graphs`` on, ``/peer``
     TP's small sums through peer memory (``disable_custom_all_reduce=False``), ``/overlap`` prefill products of 2048
-    rows or more in halves whose sums overlap (``tp_overlap_rows=2048``); ``#k`` names a repeat. The warm-up runs every
+    rows or more in halves whose sums overlap (``tp_overlap_rows=2048``), ``/mbN`` N micro-batches in flight with
+    pipeline stages (``pipeline_micro_batches``); ``#k`` names a repeat. The warm-up runs every
     prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
     graphs = False if "/eager" in name else True if "/graphs" in name else None
-    tp_sums = {"disable_custom_all_reduce": False} if "/peer" in name else {}
+    parallel = {"disable_custom_all_reduce": False} if "/peer" in name else {}
     if "/overlap" in name:
-        tp_sums["tp_overlap_rows"] = 2048
+        parallel["tp_overlap_rows"] = 2048
     for mode in ("/sync", "/async", "/eager", "/graphs", "/peer", "/overlap"):
         name = name.replace(mode, "")
     spec, _, where = name.partition("@")
     layout, _, attention = spec.partition(":")
     where, *dims = where.split("/")
     shape = {"tp": 1, "pp": 1} | {d[:2]: int(d[2:]) for d in dims}
+    if "mb" in shape:
+        parallel["pipeline_micro_batches"] = shape.pop("mb")
     max_len = max(map(len, prompts)) + output
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     engine = dict(kv_layout=layout, attention=attention or None, kv_memory=kv_memory, max_num_seqs=len(prompts),
                   max_model_len=max_len, max_num_batched_tokens=batched_tokens, device="cuda", dtype="bfloat16",
                   distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
-                  async_scheduling=overlap, cuda_graphs=graphs, **tp_sums)
+                  async_scheduling=overlap, cuda_graphs=graphs, **parallel)
     with LLM(model, **(engine | options)) as llm:
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay

@@ -74,6 +74,9 @@ class EngineConfig:
     progress: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Steps in flight with pipeline stages, each a micro-batch of other sequences (None: one a stage). One more than
+    # the stages keeps every stage busy while the scheduler takes a micro-batch's tokens and sends the next.
+    pipeline_micro_batches: int | None = None
     distributed: Literal["local", "ray"] = "local"
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
@@ -110,8 +113,8 @@ class EnginePlan:
 
     @property
     def steps_in_flight(self) -> int:
-        """The most steps the engine keeps in flight: two with async scheduling, a micro-batch a pipeline stage with
-        pipeline parallelism, else one."""
+        """The most steps the engine keeps in flight: two with async scheduling, the micro-batches with pipeline
+        parallelism (one a stage unless ``pipeline_micro_batches`` says otherwise), else one."""
         return 2 if self.async_scheduling else self.scheduler.micro_batches
 
     @property
@@ -261,8 +264,12 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     ahead = config.async_scheduling if config.async_scheduling is not None else True
     if not isinstance(ahead, bool):
         raise ValueError(f"async_scheduling must be a bool or None, got {config.async_scheduling!r}")
+    micro = config.pipeline_micro_batches
+    if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or pp == 1):
+        raise ValueError(f"pipeline_micro_batches must be None or an int >= 1 with pipeline_parallel_size > 1, got "
+                         f"{micro!r} with pipeline_parallel_size={pp}")
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
-                                max_model_len, config.map_ahead, micro_batches=pp if ahead else 1)
+                                max_model_len, config.map_ahead, micro_batches=(micro or pp) if ahead else 1)
     overlap = ahead and pp == 1  # one stage: the next step continues the same sequences, on placeholders
     if config.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")

@@ -324,6 +324,20 @@ def test_cuda_graphs_default_on_every_tp_rank_and_pipeline_stage():
     assert graphs(pipeline_parallel_size=2, cuda_graphs=False) == [(0, None)] * 2
 
 
+def test_pipeline_stages_keep_a_micro_batch_each_in_flight_or_as_many_as_asked():
+    from cluster.config import EngineConfig, plan
+
+    def shape(**kw):
+        config = EngineConfig("tiny", device="cpu", distributed="ray", max_num_seqs=128, **kw)
+        chosen = plan(config, PRESETS["tiny"], "cpu")
+        return chosen.steps_in_flight, chosen.scheduler.micro_batches
+
+    assert shape(pipeline_parallel_size=2) == (2, 2)
+    assert shape(pipeline_parallel_size=2, pipeline_micro_batches=3) == (3, 3)
+    assert shape(pipeline_parallel_size=2, async_scheduling=False) == (1, 1)  # one step at a time
+    assert shape() == (2, 1)  # one stage: step k+1 queued behind k, over the same sequences
+
+
 def test_graphs_with_a_gathering_backend_are_refused_before_loading():
     with pytest.raises(ValueError, match="cuda_graphs need an attention backend that reads the cache in place"):
         LLM("tiny", attention="torch", cuda_graphs=True, device="cpu")
