@@ -9,6 +9,7 @@ peer. The floor is measured in the same call. Results of another call, or of oth
 
     python bench/peer.py run --vllm-site /tmp/vroot/site [--workloads w1 decode long] [--profile w1]
     python bench/peer.py run --workloads prefix chat --sides vattn vattn-nocache vllm vllm-defaults
+    python bench/peer.py run --tp 2 --workloads w1 decode       # both engines over two GPUs (vattn's on Ray)
     python bench/peer.py compare RESULT.json ...      # the check and the table, on saved side results
 
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
@@ -217,15 +218,16 @@ def vattn_profile(llm: LLM, spec: SideSpec, prompts: list[list[int]]) -> str:
 
 
 def run_vattn(spec: SideSpec, out: Path) -> None:
-    """One vattn engine process: the ``SideSpec``'s warm-up, rounds and profile (in-process engine)."""
+    """One vattn engine process: the ``SideSpec``'s warm-up, rounds and profile (in-process engine; with TP the
+    Ray engine, its workers in processes of their own)."""
     start = time.perf_counter()
     llm = LLM(spec.model, **spec.engine_args)
     started = time.perf_counter() - start
-    resolved = {k: v for k, v in vars(llm.core.plan.config).items() if k != "model"}
+    resolved = {k: v for k, v in vars(llm.plan.config).items() if k != "model"}
     env = report.environment()
     result = SideResult(
         call_id=spec.call_id, engine="vattn", label=spec.label, device=env["device"], versions=env["versions"],
-        engine_args={"asked": spec.engine_args, "resolved": resolved | {"attention": llm.core.plan.attention}},
+        engine_args={"asked": spec.engine_args, "resolved": resolved | {"attention": llm.plan.attention}},
         start_s=started,
     )
     with llm:
@@ -267,18 +269,22 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": max(WORKLOADS[n].max_len for n in names),
         }
+        # A shape both engines take, vLLM's defaults too: its TP ranks are processes of its own (no Ray), ours Ray actors
+        shape = {"tensor_parallel_size": args.tp} if args.tp > 1 else {}
+        ours |= shape
         kv = int(kv_gib * GiB)
         budgeted = any(WORKLOADS[n].kv_memory_gib for n in names)
         profile = args.profile if args.profile in names else None
         common = dict(call_id=call_id, workloads=runs, reps=args.reps, profile_tokens=args.profile_tokens)
         sides = {name: SideSpec(engine="vattn", label=name, model=preset, **common, engine_args=ours | {
-            "kv_memory": kv, "device": "cuda", "dtype": "bfloat16"} | extra) for name, extra in VATTN_SIDES.items()}
+            "kv_memory": kv, "device": "cuda", "dtype": "bfloat16"} | ({"distributed": "ray"} if shape else {}) | extra)
+            for name, extra in VATTN_SIDES.items()}
         sides |= {
             "vllm": SideSpec(engine="vllm", label="vllm", model=str(model_dir),
                              engine_args=ours | {"kv_cache_memory_bytes": kv}, **common),
             # its defaults, but for the KV bytes where they are what the workload compares
             "vllm-defaults": SideSpec(engine="vllm", label="vllm-defaults", model=str(model_dir), **common,
-                                      engine_args={"kv_cache_memory_bytes": kv} if budgeted else {}),
+                                      engine_args=({"kv_cache_memory_bytes": kv} if budgeted else {}) | shape),
         }
         order = [sides[s] for s in args.sides] + [sides[s] for s in reversed(args.sides)]
         if profile:  # one more process per engine, after the timed ones: profiling slows the host
@@ -429,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=[*VATTN_SIDES, "vllm", "vllm-defaults"])
     run.add_argument("--vllm-site", default="/tmp/vroot/site", help="vLLM's install (the bundle's PYTHONPATH)")
     run.add_argument("--reps", type=int, default=2, help="timed rounds per process")
+    run.add_argument("--tp", type=int, default=1, help="tensor parallel size of both engines (vattn's through Ray)")
     run.add_argument("--max-num-batched-tokens", type=int, default=8192)
     run.add_argument("--kv-memory-gib", type=float, default=40)
     run.add_argument("--seed", type=int, default=0)
@@ -459,9 +466,17 @@ def main() -> None:
     if args.cmd == "compare":
         headers, rows, _ = compare([SideResult.read(p) for p in args.results], None)
         return print(report.tabulate(rows, headers=headers, floatfmt=".3f"))
+    if args.tp > 1:
+        stepwise = [n for n in args.workloads if WORKLOADS[n].stepwise]
+        if stepwise or args.profile:
+            raise SystemExit(f"--tp {args.tp} runs vattn on Ray, whose steps and kernels this process cannot see: "
+                             f"leave out {', '.join(stepwise) or f'--profile {args.profile}'}")
+        if args.tp > torch.cuda.device_count():
+            raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
+        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")  # the machines' rule, both sides
     call_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     args.work.mkdir(parents=True, exist_ok=True)
-    floor = floors(args, args.work)
+    floor = floors(args, args.work) if args.tp == 1 else None  # one GPU's floor
     results, index = [], 0
     for preset, specs in prepare(args, call_id, args.work).items():
         for spec in specs:

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 import report
 from cluster.engine import LLM
 from throughput import GiB, ceilings, model_sizes, random_prompts
+from trace_breakdown import category
 from worker.config import PRESETS
 from worker.sampling import SamplingParams
 
@@ -44,25 +45,12 @@ def kernel_seconds(prof) -> tuple[float, list[tuple[str, float, int]]]:
     return busy / 1e6, top
 
 
-# A kernel's kind: the first whose patterns its name (lower case) holds; "other" for none.
-KERNEL_KINDS = (
-    ("all-reduce", ("nccl", "allreduce", "all_reduce")),
-    ("attention", ("flash", "fmha", "attn")),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
-    ("norm", ("rms_norm",)),
-    ("activation", ("silu",)),
-    ("rope", ("rope",)),
-    ("kv store", ("store_kv",)),
-)
-
-
 def kernel_kinds(prof) -> dict[str, float]:
-    """Seconds of GPU kernel time by kind (``KERNEL_KINDS``), overlapping kernels each counted in full."""
+    """Seconds of GPU kernel time by kind (``trace_breakdown.category``), overlapping kernels each counted in full."""
     kinds: dict[str, float] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-            name = e.name.lower()
-            kind = next((k for k, patterns in KERNEL_KINDS if any(p in name for p in patterns)), "other")
+            kind = category(e.name)
             kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 1e6
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 

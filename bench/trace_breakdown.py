@@ -25,6 +25,7 @@ from pathlib import Path
 # vLLM's KV write is named "..._flash_kernel", so it comes before attention. Inductor names a fused RMSNorm by its
 # ops (mean, pow, rsqrt).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("all-reduce", ("nccl", "allreduce", "all_reduce")),  # TP's sums (NCCL's, torch's symmetric-memory kernels)
     ("kv write", ("reshape_and_cache", "store_kv", "concat_and_cache")),
     ("attention", ("flash", "fmha", "attention", "attn", "prefillwithkvcache", "batchdecode", "mergestate")),
     ("norm", ("rms", "norm", "rsqrt")),

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from cluster.config import EngineConfig, plan
+from cluster.config import EngineConfig, EnginePlan, plan
 from cluster.engine_core import EngineCore, Prompt
 from cluster.errors import EngineDeadError
 from cluster.executor import LocalExecutor
@@ -41,6 +41,8 @@ class Engine(Protocol):
     def reset_prefix_cache(self) -> int: ...
 
     def close(self) -> None: ...
+
+    plan: EnginePlan  # what the config resolved to (the Ray engine's: before its workers sized their pools)
 
 
 class LLM:
@@ -92,6 +94,11 @@ class LLM:
         if self._live is None:
             raise EngineDeadError("this LLM was closed: start a new one")
         return self._live
+
+    @property
+    def plan(self) -> EnginePlan:
+        """The engine's resolved configuration: attention, graphs, workers, scheduler."""
+        return self._engine.plan
 
     # -- in-process access (benchmarks, tests) -------------------------------------------------
     @property

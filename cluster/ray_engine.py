@@ -61,6 +61,7 @@ class RayEngine:
         self.tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids, config.tokenizer,
                                         config.chat_template)
         self.max_model_len = engine_plan.max_model_len
+        self.plan = engine_plan
         options = {"name": name} if name else {}
         if placement is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement.group, placement.first_bundle)

@@ -105,6 +105,8 @@ def test_kernels_are_put_in_categories():
     assert trace_breakdown.category("triton_poi_fused_rms_norm_1") == "norm"
     assert trace_breakdown.category("void vllm::act_and_mul_kernel<silu>") == "activation"
     assert trace_breakdown.category("void vllm::reshape_and_cache_flash_kernel<>") == "kv write"
+    assert trace_breakdown.category("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "all-reduce"
+    assert trace_breakdown.category("void c10d::symmetric_memory::one_shot_all_reduce_kernel<bf16>") == "all-reduce"
 
 
 def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):
@@ -123,6 +125,32 @@ def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):
     assert [s.profile for s in long] == [None] * 6 and long[0].engine_args["max_model_len"] == 32000 + 128
     prompts = long[0].workloads[0].prompts()
     assert len(prompts) == 16 and all(8192 <= len(p) <= 32000 for p in prompts)
+
+
+def test_tensor_parallel_sides_give_both_engines_the_shape_and_run_vattn_on_ray(tmp_path):
+    specs = peer.prepare(peer.build_parser().parse_args(["run", "--tp", "2", "--workloads", "w1"]), "call-1", tmp_path)
+    vattn, vllm, defaults = specs["llama-3-8b 40 GiB"][:3]
+    assert vattn.engine_args["tensor_parallel_size"] == 2 and vattn.engine_args["distributed"] == "ray"
+    assert vllm.engine_args["tensor_parallel_size"] == 2 and "distributed" not in vllm.engine_args
+    assert defaults.engine_args == {"tensor_parallel_size": 2}
+
+
+@pytest.mark.parametrize(("workloads", "named"), [(["w1", "memory"], "leave out memory"),
+                                                 (["w1", "--profile", "w1"], "leave out --profile w1")])
+def test_tensor_parallel_runs_refuse_what_only_the_in_process_engine_shows(monkeypatch, workloads, named):
+    monkeypatch.setattr(sys, "argv", ["peer.py", "run", "--tp", "2", "--workloads", *workloads])
+    with pytest.raises(SystemExit, match=f"--tp 2 runs vattn on Ray, whose steps and kernels this process cannot "
+                                         f"see: {named}"):
+        peer.main()
+
+
+def test_vattn_side_runs_on_ray_with_tensor_parallelism(tmp_path):
+    spec = tiny_side(tmp_path, 4, 8, WorkloadRun("w1", "", 5), reps=1)
+    spec = replace(spec, engine_args=spec.engine_args | {"distributed": "ray", "tensor_parallel_size": 2})
+    peer.run_vattn(spec, tmp_path / "result.json")
+    result = SideResult.read(tmp_path / "result.json")
+    assert [(r["workload"], r["output_tokens"]) for r in result.runs] == [("w1", 15)]
+    assert result.engine_args["resolved"]["tensor_parallel_size"] == 2
 
 
 def test_the_memory_workload_gives_both_vllm_settings_the_same_kv_bytes(tmp_path):
