@@ -86,12 +86,12 @@ class EngineConfig:
     deterministic: bool = False
     # False: TP on GPUs sums decode steps' partial results through peer memory, one kernel each
     # (worker/peer_all_reduce.py; 0.2-0.7 ms less of a 9 ms TP=2 decode step in graphs on 2xH200); True: NCCL for every sum
-    # (vLLM's spelling). True by default until the Ray GPU tests pass with it: its first run through Ray hung
-    # (docs/performance.md, "Two GPUs").
+    # (vLLM's spelling). True by default: the Ray GPU tests pass with it, but W1 at TP=2 through Ray took 2.90 s with
+    # it against 2.70 s without on 2xH200 (docs/performance.md, "Two GPUs").
     disable_custom_all_reduce: bool = True
     # > 0: with TP, a row-parallel product of at least this many rows (a prefill chunk) runs in two halves, the first
     # half's sum on NCCL while the second half is computed (``TPGroup.overlap_rows``); 0: one product, then its sum.
-    # Off until W1 on two GPUs says it pays (bench/throughput.py ``/overlap``).
+    # Off: W1 at TP=2 on 2xH200 was within noise with it (bench/throughput.py ``/overlap``, docs/performance.md).
     tp_overlap_rows: int = 0
 
 
@@ -345,7 +345,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                          f"device is {device!r} (set kv_memory or kv_memory_fraction)")
     workers = tuple(
         WorkerConfig(config.model, dtype, device, specs[p], None, attention, ranges[p], p, t, tp,
-                     config.max_num_seqs if graphs else 0, 0 if graphs else None, swap=config.preemption_mode == "swap",
+                     scheduler.step_seqs if graphs else 0, 0 if graphs else None, swap=config.preemption_mode == "swap",
                      deferred_reclamation=config.deferred_reclamation, zero_unmapped=config.zero_unmapped,
                      kv_guard_tokens=config.kv_guard_tokens if config.zero_unmapped else None,
                      seed=config.seed, progress=config.progress,

@@ -29,6 +29,8 @@ ParamsArg = SamplingParams | Seq[SamplingParams] | None  # one for all prompts, 
 class Engine(Protocol):
     """What ``LLM`` drives: the in-process ``EngineCore`` or the Ray scheduler actor's client."""
 
+    plan: EnginePlan  # what the config resolved to (the Ray engine's: before its workers sized their pools)
+
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False) -> list[str]: ...
 
     def poll(self, pending: set[str], finished_only: bool) -> list[RequestOutput]:
@@ -42,7 +44,6 @@ class Engine(Protocol):
 
     def close(self) -> None: ...
 
-    plan: EnginePlan  # what the config resolved to (the Ray engine's: before its workers sized their pools)
 
 
 class LLM:

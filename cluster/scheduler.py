@@ -56,6 +56,11 @@ class SchedulerConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
+    @property
+    def step_seqs(self) -> int:
+        """The most sequences one step takes: a micro-batch's share of ``max_num_seqs``."""
+        return -(-self.max_num_seqs // self.micro_batches)
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:
@@ -133,8 +138,7 @@ class Scheduler:
 
     @property
     def step_seqs(self) -> int:
-        """The most sequences one step takes: a micro-batch's share of ``max_num_seqs``."""
-        return -(-self.config.max_num_seqs // self.config.micro_batches)
+        return self.config.step_seqs
 
     def ends_in_flight(self, seq: Sequence) -> bool:
         """``seq``'s token being sampled is its last by length: it needs no further step."""

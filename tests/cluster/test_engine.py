@@ -318,8 +318,11 @@ def test_cuda_graphs_default_on_every_tp_rank_and_pipeline_stage():
         return [(w.graph_batch, w.scratch_slot) for w in chosen.workers]
 
     assert graphs(tensor_parallel_size=2) == [(128, 0)] * 2  # every rank captures, over the same scratch slot
-    assert graphs(pipeline_parallel_size=2) == [(128, 0)] * 2  # every stage its layers
-    assert graphs(tensor_parallel_size=2, pipeline_parallel_size=2) == [(128, 0)] * 4
+    # every stage its layers, for the micro-batch a step takes (a stage's share of the sequences)
+    assert graphs(pipeline_parallel_size=2) == [(64, 0)] * 2
+    assert graphs(tensor_parallel_size=2, pipeline_parallel_size=2) == [(64, 0)] * 4
+    assert graphs(pipeline_parallel_size=2, pipeline_micro_batches=3) == [(43, 0)] * 2
+    assert graphs(pipeline_parallel_size=2, async_scheduling=False) == [(128, 0)] * 2  # one step at a time: all
     assert graphs(tensor_parallel_size=2, cuda_graphs=False) == [(0, None)] * 2
     assert graphs(pipeline_parallel_size=2, cuda_graphs=False) == [(0, None)] * 2
 
