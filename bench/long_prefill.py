@@ -50,6 +50,7 @@ def prefill_seconds(run: str, model: str, lengths: list[int], chunk: int | None,
         for n in lengths:
             prompt = [rng.randrange(3, vocab - 1) for _ in range(n - 1)]  # with its first token: n of context
             llm.generate([prompt], FIRST_TOKEN)  # warm-up at this length
+            llm.reset_prefix_cache()  # else the timed prefill finds this very prompt cached
             sync(device)
             start = time.perf_counter()
             llm.generate([prompt], FIRST_TOKEN)

@@ -107,6 +107,7 @@ def main() -> None:
              # each step is timed on its own: launched ahead, a step's tokens come back with the next step
              async_scheduling=False) as llm:
         llm.generate([p[:512] for p in prompts], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        llm.reset_prefix_cache()  # the profiled steps compute every prompt token
         for p in prompts:
             llm.add_request(p, SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True))
         prefill = profiled_steps(llm, 3, args.outputs_every_step)  # chunked prefill: 8192-token steps (W1 has ~20 of them)
