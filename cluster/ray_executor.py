@@ -170,7 +170,10 @@ class RayExecutor:
             hidden = None
             for p in range(pp):
                 stage = self._actors[p * tp : (p + 1) * tp]
-                nodes = [a.execute.bind(step) if hidden is None else a.execute.bind(step, hidden) for a in stage]
+                if hidden is None:
+                    nodes = [a.execute.bind(step) for a in stage]
+                else:  # the KV operations and the plan first, while the stage before computes; then its hidden states
+                    nodes = [a.execute_prepared.bind(a.prepare.bind(step), hidden) for a in stage]
                 if p == pp - 1:
                     outputs += nodes
                     break

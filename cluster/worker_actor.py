@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from kvmem.stats import PageMap, SlotAccounting
 from worker.messages import StepInput, WorkerOutput
-from worker.worker import Worker, WorkerConfig
+from worker.runner import StepOutput
+from worker.worker import PreparedStep, Worker, WorkerConfig
 
 
 @ray.remote
@@ -75,7 +76,20 @@ class WorkerActor:
         self._select_device()
         if self.config.fills_placeholders:  # async scheduling, which has one pipeline stage
             return self.execute_ahead(step)
-        out = self.worker.execute(step, inputs)
+        return self._reply(self.worker.execute(step, inputs))
+
+    def prepare(self, step: StepInput) -> PreparedStep:
+        """A stage after the first: the step's KV operations and plan, done while the previous stage computes (the
+        compiled graph runs this before it waits for that stage's hidden states)."""
+        self._select_device()
+        return self.worker.prepare(step)
+
+    def execute_prepared(self, prepared: PreparedStep, inputs: torch.Tensor):
+        """``execute`` of a step ``prepare`` began, over the previous stage's hidden states."""
+        self._select_device()
+        return self._reply(self.worker.finish(self.worker.launch_prepared(prepared, inputs)))
+
+    def _reply(self, out: StepOutput):
         if self.worker.model.is_last:
             return WorkerOutput(out.sampled, self.worker.report(), out.logprobs, out.prompt_logprobs)
         if out.hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
