@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from kvmem.stats import PageMap, SlotAccounting
 from worker.messages import StepInput, WorkerOutput
-from worker.runner import StepOutput
 from worker.worker import PreparedStep, Worker, WorkerConfig
 
 
@@ -71,12 +70,12 @@ class WorkerActor:
 
     def execute(self, step: StepInput, inputs: torch.Tensor | None = None):
         """The step; a stage before the last returns its hidden states for the next one (on its GPU when
-        one next-stage reader takes them over NCCL, else in host memory). With async scheduling (one stage)
-        the worker launches ahead: see ``execute_ahead``."""
+        one next-stage reader takes them over NCCL, else in host memory) as soon as its kernels are queued
+        (``Worker.pass_on``). With async scheduling (one stage) the worker launches ahead: see ``execute_ahead``."""
         self._select_device()
         if self.config.fills_placeholders:  # async scheduling, which has one pipeline stage
             return self.execute_ahead(step)
-        return self._reply(self.worker.execute(step, inputs))
+        return self._run(self.worker.prepare(step), inputs)
 
     def prepare(self, step: StepInput) -> PreparedStep:
         """A stage after the first: the step's KV operations and plan, done while the previous stage computes (the
@@ -87,14 +86,16 @@ class WorkerActor:
     def execute_prepared(self, prepared: PreparedStep, inputs: torch.Tensor):
         """``execute`` of a step ``prepare`` began, over the previous stage's hidden states."""
         self._select_device()
-        return self._reply(self.worker.finish(self.worker.launch_prepared(prepared, inputs)))
+        return self._run(prepared, inputs)
 
-    def _reply(self, out: StepOutput):
+    def _run(self, prepared: PreparedStep, inputs: torch.Tensor | None):
         if self.worker.model.is_last:
+            out = self.worker.finish(self.worker.launch_prepared(prepared, inputs))
             return WorkerOutput(out.sampled, self.worker.report(), out.logprobs, out.prompt_logprobs)
-        if out.hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
+        hidden = self.worker.pass_on(prepared, inputs)  # launched ahead: NCCL sends it after the stage's kernels
+        if hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
             return torch.empty(0, self.worker.model.config.hidden_size, device=self._hidden_device)
-        return out.hidden.to(self._hidden_device)
+        return hidden.to(self._hidden_device)
 
     def execute_ahead(self, step: StepInput) -> tuple[WorkerOutput, ...]:
         """Queue ``step`` on the device, then finish the step the call before queued: the device runs this one

@@ -189,6 +189,24 @@ class Worker:
         finally:
             self._busy += time.perf_counter() - start
 
+    def pass_on(self, prepared: PreparedStep, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A pipeline stage before the last: queue the step and hand back its hidden states without waiting for the
+        device (the hand-off to the next stage is queued behind its kernels), so the host takes the next micro-batch
+        while they run; the step before is finished now. The pages this step maps ahead are mapped before it
+        returns: between calls, this cache holds what the ledger says. None: a step without a batch."""
+        before = self._in_flight
+        pending = self.launch_prepared(prepared, inputs)
+        if before is not None:
+            self.finish(before)
+        if pending.launched is None:
+            return None
+        start = time.perf_counter()
+        try:
+            self.mapper.wait(pending.ahead, record=False)  # the device is busy with the step meanwhile
+        finally:
+            self._busy += time.perf_counter() - start
+        return pending.launched.done.hidden
+
     def supply_masks(self, pending: PendingOutput, masks: dict[int, bytes | None]) -> PendingOutput:
         """Queue the draw of a launched step that waits for grammar masks (its ``late_masks``; None: draw that
         sequence unmasked), before the next step is launched: that one reads the tokens drawn here. The step as
