@@ -45,7 +45,6 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-
 class LLM:
     """Generate with a Llama-family model over a vAttention (``mega``/``per_layer``) or paged KV cache.
 
