@@ -170,10 +170,10 @@ class RayExecutor:
             hidden = None
             for p in range(pp):
                 stage = self._actors[p * tp : (p + 1) * tp]
-                if hidden is None:
-                    nodes = [a.execute.bind(step) for a in stage]
-                else:  # the KV operations and the plan first, while the stage before computes; then its hidden states
-                    nodes = [a.execute_prepared.bind(a.prepare.bind(step), hidden) for a in stage]
+                # One task a stage: Ray's compiled-graph scheduler refuses (an AssertionError while compiling, seen on
+                # 2xH200) a task that reads the NCCL-sent hidden states beside another task's output, which a separate
+                # prepare(step) -> execute(prepared, hidden) would need to map and plan while the stage before computes.
+                nodes = [a.execute.bind(step) if hidden is None else a.execute.bind(step, hidden) for a in stage]
                 if p == pp - 1:
                     outputs += nodes
                     break

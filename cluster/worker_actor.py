@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from kvmem.stats import PageMap, SlotAccounting
 from worker.messages import StepInput, WorkerOutput
-from worker.worker import PreparedStep, Worker, WorkerConfig
+from worker.worker import Worker, WorkerConfig
 
 
 @ray.remote
@@ -75,24 +75,13 @@ class WorkerActor:
         self._select_device()
         if self.config.fills_placeholders:  # async scheduling, which has one pipeline stage
             return self.execute_ahead(step)
-        return self._run(self.worker.prepare(step), inputs)
+        return self._run(step, inputs)
 
-    def prepare(self, step: StepInput) -> PreparedStep:
-        """A stage after the first: the step's KV operations and plan, done while the previous stage computes (the
-        compiled graph runs this before it waits for that stage's hidden states)."""
-        self._select_device()
-        return self.worker.prepare(step)
-
-    def execute_prepared(self, prepared: PreparedStep, inputs: torch.Tensor):
-        """``execute`` of a step ``prepare`` began, over the previous stage's hidden states."""
-        self._select_device()
-        return self._run(prepared, inputs)
-
-    def _run(self, prepared: PreparedStep, inputs: torch.Tensor | None):
+    def _run(self, step: StepInput, inputs: torch.Tensor | None):
         if self.worker.model.is_last:
-            out = self.worker.finish(self.worker.launch_prepared(prepared, inputs))
+            out = self.worker.execute(step, inputs)
             return WorkerOutput(out.sampled, self.worker.report(), out.logprobs, out.prompt_logprobs)
-        hidden = self.worker.pass_on(prepared, inputs)  # launched ahead: NCCL sends it after the stage's kernels
+        hidden = self.worker.pass_on(step, inputs)  # launched ahead: NCCL sends it after the stage's kernels
         if hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
             return torch.empty(0, self.worker.model.config.hidden_size, device=self._hidden_device)
         return hidden.to(self._hidden_device)

@@ -40,15 +40,6 @@ class PendingOutput:
     ahead: MappingPlan | None
 
 
-@dataclass(frozen=True)
-class PreparedStep:
-    """A step whose KV operations are applied and whose chunks are planned (``Worker.prepare``): what remains is to
-    queue its kernels over the input (``Worker.launch_prepared``)."""
-
-    step: StepInput
-    plan: StepPlan | None  # None: a step without a batch
-
-
 class PeerFailed(RuntimeError):
     """Another TP rank of this stage could not apply a step; this rank stops with it."""
 
@@ -161,41 +152,19 @@ class Worker:
         """Apply the step's KV operations and queue its kernels, without waiting for the device: a caller
         that launches step k+1 before it calls ``finish`` on step k keeps the device busy meanwhile. Chunks
         that end in a placeholder take the token step k drew on the device."""
-        return self.launch_prepared(self.prepare(step), inputs)
-
-    def prepare(self, step: StepInput) -> PreparedStep:
-        """The host's part of ``launch`` that needs no input: the step's KV operations (mapping) and its plan. A
-        pipeline stage after the first does it before the previous stage's hidden states arrive."""
         start = time.perf_counter()
         try:
-            return self._prepare(step)
+            return self._launch(step, inputs)
         finally:
             self._busy += time.perf_counter() - start
 
-    def launch_prepared(self, prepared: PreparedStep, inputs: torch.Tensor | None = None) -> PendingOutput:
-        """Queue a prepared step's kernels over ``inputs`` (the previous stage's hidden states; None: token ids)."""
-        start = time.perf_counter()
-        try:
-            if prepared.plan is None:
-                return PendingOutput(prepared.step.step, None, None)
-            ahead = self.mapper.submit(MappingPlan(prepared.step.ahead))
-            try:
-                launched = self.runner.launch(prepared.plan, inputs)
-            except BaseException:
-                self.mapper.wait(ahead)
-                raise
-            pending = self._in_flight = PendingOutput(prepared.step.step, launched, ahead)
-            return pending
-        finally:
-            self._busy += time.perf_counter() - start
-
-    def pass_on(self, prepared: PreparedStep, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+    def pass_on(self, step: StepInput, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """A pipeline stage before the last: queue the step and hand back its hidden states without waiting for the
         device (the hand-off to the next stage is queued behind its kernels), so the host takes the next micro-batch
         while they run; the step before is finished now. The pages this step maps ahead are mapped before it
         returns: between calls, this cache holds what the ledger says. None: a step without a batch."""
         before = self._in_flight
-        pending = self.launch_prepared(prepared, inputs)
+        pending = self.launch(step, inputs)
         if before is not None:
             self.finish(before)
         if pending.launched is None:
@@ -242,7 +211,7 @@ class Worker:
         finally:
             self._busy += time.perf_counter() - start
 
-    def _prepare(self, step: StepInput) -> PreparedStep:
+    def _launch(self, step: StepInput, inputs: torch.Tensor | None) -> PendingOutput:
         prev = self._in_flight.launched if self._in_flight is not None else None
         if prev is not None and prev.awaits_masks:
             raise RuntimeError(f"step {step.step} launched before the grammar masks of the step in flight were supplied")
@@ -283,7 +252,16 @@ class Worker:
             c = self.config
             raise error or PeerFailed(f"TP rank {failed} of stage {c.pp_rank} failed step {step.step} (its log has why); "
                                       f"rank {c.tp_rank} stops with it")
-        return PreparedStep(step, plan if step.seq_ids else None)
+        if not step.seq_ids:
+            return PendingOutput(step.step, None, None)
+        ahead = self.mapper.submit(MappingPlan(step.ahead))
+        try:
+            launched = self.runner.launch(plan, inputs)
+        except BaseException:
+            self.mapper.wait(ahead)
+            raise
+        pending = self._in_flight = PendingOutput(step.step, launched, ahead)
+        return pending
 
     def _plan(self, step: StepInput, prev: LaunchedStep | None) -> StepPlan:
         """The step's chunks; a placeholder becomes the token this worker drew for the sequence last: read
