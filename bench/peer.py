@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -311,10 +312,22 @@ def launch(spec: SideSpec, work: Path, index: int, vllm_site: str, timeout: floa
     cmd = [sys.executable, str(script)] + (["side"] if spec.engine == "vattn" else []) + [str(spec_path), str(out)]
     print(f"--- [{index}] {spec.label} ({spec.model})", flush=True)
     start = time.perf_counter()
+    # A session of its own, killed whole afterwards: vLLM's engine core and TP workers are the side's children, and
+    # a side that failed or timed out left them holding both GPUs' memory, so every later vLLM side failed to start
+    # (2xH200, 2026-11-27).
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        subprocess.run(cmd, env=env, check=True, timeout=timeout)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        print(f"--- [{index}] {spec.label} FAILED: {exc}", flush=True)
+        rc = proc.wait(timeout=timeout)
+        failure = f"exit status {rc}" if rc else None
+    except subprocess.TimeoutExpired:
+        failure = f"timed out after {timeout:g} s"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if failure:
+        print(f"--- [{index}] {spec.label} FAILED: {failure}", flush=True)
         return None
     print(f"--- [{index}] {spec.label} took {time.perf_counter() - start:.0f} s", flush=True)
     return SideResult.read(out)
@@ -473,7 +486,11 @@ def main() -> None:
                              f"leave out {', '.join(stepwise) or f'--profile {args.profile}'}")
         if args.tp > torch.cuda.device_count():
             raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
-        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")  # the machines' rule, both sides
+        # NVLink multicast stays off (the machines' rule), both sides. vLLM 0.26 would fuse its all-reduce and RMSNorm
+        # through FlashInfer's "mnnvl" backend, which is multicast (on 2xH200 it met an illegal memory access, then
+        # hung): "trtllm" is the same fusion over peer memory, vLLM's own choice where multicast is missing.
+        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+                          VLLM_FLASHINFER_ALLREDUCE_BACKEND="trtllm")
     call_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     args.work.mkdir(parents=True, exist_ok=True)
     floor = floors(args, args.work) if args.tp == 1 else None  # one GPU's floor

@@ -101,7 +101,7 @@ def rank_main(rank: int, size: int, mode: str, init: str, args: argparse.Namespa
         model = build_model(args.model, torch.bfloat16, device, tp, seed=0)
         _say(rank, "model built")
         c = model.config
-        steps = args.warmup + args.steps
+        steps = args.warmup + args.steps + args.profile  # decode steps of each runner: max_tokens holds both runners
         max_tokens = args.context + 2 * steps + 1
         spec = KVCacheSpec(c.num_layers, c.num_kv_heads // size, c.head_dim, torch.bfloat16, args.batch + 1,
                            max_tokens, "mega", 2 << 20)

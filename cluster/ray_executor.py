@@ -33,7 +33,7 @@ def _describe(exc: BaseException) -> str:
 
 
 # NVLink multicast (NVLS) breaks on the lent GPU machines; every process of the group keeps it off.
-CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 CHANNEL_BUFFERS = 3  # compiled-graph executions in flight at most: the engine's steps in flight and a drain
 CHANNEL_BYTES = 256 << 10  # a channel buffer: a step of 8192 prompt tokens pickles to ~60 KB
 
