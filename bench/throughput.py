@@ -124,7 +124,8 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     turn async scheduling off or on (default: the engine's), ``/eager`` CUDA graphs off, ``/graphs`` on, ``/peer``
     TP's small sums through peer memory (``disable_custom_all_reduce=False``), ``/overlap`` prefill products of 2048
     rows or more in halves whose sums overlap (``tp_overlap_rows=2048``), ``/mbN`` N micro-batches in flight with
-    pipeline stages (``pipeline_micro_batches``); ``#k`` names a repeat. The warm-up runs every
+    pipeline stages (``pipeline_micro_batches``), ``/p2p`` the stages' own hand-off (``pipeline_handoff="p2p"``);
+    ``#k`` names a repeat. The warm-up runs every
     prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
@@ -132,7 +133,9 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     parallel = {"disable_custom_all_reduce": False} if "/peer" in name else {}
     if "/overlap" in name:
         parallel["tp_overlap_rows"] = 2048
-    for mode in ("/sync", "/async", "/eager", "/graphs", "/peer", "/overlap"):
+    if "/p2p" in name:
+        parallel["pipeline_handoff"] = "p2p"
+    for mode in ("/sync", "/async", "/eager", "/graphs", "/peer", "/overlap", "/p2p"):
         name = name.replace(mode, "")
     spec, _, where = name.partition("@")
     layout, _, attention = spec.partition(":")

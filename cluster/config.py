@@ -77,6 +77,11 @@ class EngineConfig:
     # Steps in flight with pipeline stages, each a micro-batch of other sequences (None: one a stage). One more than
     # the stages keeps every stage busy while the scheduler takes a micro-batch's tokens and sends the next.
     pipeline_micro_batches: int | None = None
+    # How a stage's hidden states reach the next: "channel", the compiled graph's (GPU to GPU over NCCL with one TP
+    # rank a stage, host memory with several); "p2p", the stages' own torch.distributed send and receive, the receive
+    # queued before a stage maps and plans its step, so that host work overlaps the stage before's compute
+    # (cluster/stage_link.py). "channel" until "p2p" is measured on GPUs (docs/performance.md, "Two GPUs").
+    pipeline_handoff: Literal["channel", "p2p"] = "channel"
     distributed: Literal["local", "ray"] = "local"
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
@@ -268,6 +273,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or pp == 1):
         raise ValueError(f"pipeline_micro_batches must be None or an int >= 1 with pipeline_parallel_size > 1, got "
                          f"{micro!r} with pipeline_parallel_size={pp}")
+    if config.pipeline_handoff not in ("channel", "p2p"):
+        raise ValueError(f"pipeline_handoff must be 'channel' or 'p2p', got {config.pipeline_handoff!r}")
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
                                 max_model_len, config.map_ahead, micro_batches=(micro or pp) if ahead else 1)
     overlap = ahead and pp == 1  # one stage: the next step continues the same sequences, on placeholders

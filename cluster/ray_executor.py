@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.worker_actor import WorkerActor
 from cluster.config import EnginePlan
+from cluster.stage_link import StageLink
 from cluster.errors import PlacementError, WorkerGroupError
 from cluster.executor import StepResult
 from kvmem.stats import PageMap, SlotAccounting
@@ -96,6 +97,12 @@ class RayExecutor:
         self._start()
 
     @property
+    def _p2p(self) -> bool:
+        """The pipeline stages hand hidden states on themselves (``pipeline_handoff="p2p"``, ``StageLink``)."""
+        c = self.plan.config
+        return c.pipeline_handoff == "p2p" and c.pipeline_parallel_size > 1
+
+    @property
     def late_masks(self) -> bool:
         """Whether a step's grammar masks may follow its launch: with workers that launch ahead."""
         return self._ahead
@@ -146,14 +153,17 @@ class RayExecutor:
                 max_concurrency=2,  # the compiled graph's loop holds one thread; accounting() gets the other
             ).remote(config))
         tp, world = self.plan.config.tensor_parallel_size, len(self._actors)
-        init = ray.get(self._actors[0].address.remote()) if tp > 1 else None
+        p2p = self._p2p
+        init = ray.get(self._actors[0].address.remote()) if tp > 1 or p2p else None
         stages = [list(range(p * tp, (p + 1) * tp)) for p in range(self.plan.config.pipeline_parallel_size)]
         try:
             # TP ranks see every GPU of their node's workers (the peer-memory all-reduce maps its peers' buffers)
             peers = gpu and tp > 1 and not self.plan.config.disable_custom_all_reduce
             gpus = ray.get([a.gpu.remote() for a in self._actors]) if peers else [("", "")] * world
             node_gpus = [tuple(g for n, g in gpus if n == node) for node, _ in gpus]
-            ray.get([a.setup.remote(init, rank, world, stages, node_gpus[rank]) for rank, a in enumerate(self._actors)])
+            pp = self.plan.config.pipeline_parallel_size
+            ray.get([a.setup.remote(init, rank, world, stages, node_gpus[rank], StageLink.between(rank, tp, pp) if p2p else None)
+                     for rank, a in enumerate(self._actors)])
             if not self.plan.is_sized:  # every worker's weights are in: the pools take a share of what is left
                 c = self.plan.config
                 budgets = ray.get([a.kv_memory_available.remote(c.kv_memory_fraction, world, c.gpu_memory_utilization)
@@ -177,10 +187,11 @@ class RayExecutor:
                 if p == pp - 1:
                     outputs += nodes
                     break
-                if self.plan.device == "cuda" and tp == 1:
+                if self.plan.device == "cuda" and tp == 1 and not self._p2p:
                     # GPU to GPU over NCCL (measured on 2xH200, PP=2). With several TP readers per stage the
                     # hidden states go through host memory instead: that run (TP=2 x PP=2, 4xH200) hung with
-                    # Ray's NCCL channel to two readers beside torch's NCCL TP groups.
+                    # Ray's NCCL channel to two readers beside torch's NCCL TP groups. With ``StageLink`` the
+                    # stages send them themselves, and the graph carries only the rows sent.
                     nodes[0] = nodes[0].with_tensor_transport("accelerator")
                 outputs += [a.report.bind(node) for a, node in zip(stage, nodes)]
                 hidden = nodes[0]  # TP ranks of a stage end equal (all-reduced): rank 0's goes on

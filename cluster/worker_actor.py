@@ -10,6 +10,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from cluster.stage_link import StageLink
 from kvmem.stats import PageMap, SlotAccounting
 from worker.messages import StepInput, WorkerOutput
 from worker.worker import Worker, WorkerConfig
@@ -38,9 +39,10 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def setup(self, init_method: str | None, rank: int, world: int, stage_ranks: list[list[int]],
-              node_gpus: tuple[str, ...] = ()) -> None:
+              node_gpus: tuple[str, ...] = (), link: StageLink | None = None) -> None:
         """Join the TP groups (every rank creates every stage's group, in the same order), then build the
-        shard: model, cache, mapper. ``node_gpus``: the GPUs of this node's workers, to see them all (``_select``)."""
+        shard: model, cache, mapper. ``node_gpus``: the GPUs of this node's workers, to see them all (``_select``);
+        ``link``: the stages hand hidden states on themselves (``StageLink``), not through the compiled graph."""
         cfg = self.config
         if cfg.device == "cuda":
             self._device = _select(node_gpus)
@@ -49,6 +51,8 @@ class WorkerActor:
             group = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank)
             self._distributed = True
         self.worker = Worker(cfg, tp_group=group)
+        self._link = link
+        self._hidden_dtype = next(self.worker.model.parameters()).dtype
         # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
         self._hidden_device = self.worker.device if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
 
@@ -68,20 +72,25 @@ class WorkerActor:
         self._select_device()
         self.worker.allocate(pool_bytes)
 
-    def execute(self, step: StepInput, inputs: torch.Tensor | None = None):
+    def execute(self, step: StepInput, inputs: torch.Tensor | int | None = None):
         """The step; a stage before the last returns its hidden states for the next one (on its GPU when
         one next-stage reader takes them over NCCL, else in host memory) as soon as its kernels are queued
-        (``Worker.pass_on``). With async scheduling (one stage) the worker launches ahead: see ``execute_ahead``."""
+        (``Worker.pass_on``), or with a ``StageLink`` sends them itself and returns the rows sent (the next stage's
+        ``inputs``). With async scheduling (one stage) the worker launches ahead: see ``execute_ahead``."""
         self._select_device()
         if self.config.fills_placeholders:  # async scheduling, which has one pipeline stage
             return self.execute_ahead(step)
         return self._run(step, inputs)
 
-    def _run(self, step: StepInput, inputs: torch.Tensor | None):
+    def _run(self, step: StepInput, inputs: torch.Tensor | int | None):
+        if self._link is not None:  # before the step's KV operations and plan: NCCL queues it, the host goes on
+            inputs = self._link.receive(step, self.worker.model.config.hidden_size, self._hidden_dtype, self.worker.device)
         if self.worker.model.is_last:
             out = self.worker.execute(step, inputs)
             return WorkerOutput(out.sampled, self.worker.report(), out.logprobs, out.prompt_logprobs)
         hidden = self.worker.pass_on(step, inputs)  # launched ahead: NCCL sends it after the stage's kernels
+        if self._link is not None:
+            return self._link.send(step, hidden)
         if hidden is None:  # a step with no batch (operations only): the channel still carries a tensor
             return torch.empty(0, self.worker.model.config.hidden_size, device=self._hidden_device)
         return hidden.to(self._hidden_device)
