@@ -251,6 +251,11 @@ class SlotCache(ABC):
             state = self._in_use(slot)
             state.expected = max(state.expected, num_tokens)
             need = self.spec.pages_for(num_tokens)
+            if need <= len(state.pages) and not self._shared_in_write_range(state, need, num_tokens):
+                # Backed already, and no page the writes reach is shared, so none past its tokens either: nothing to
+                # map, copy or drop (a decode step's usual case, twice a sequence a step in the scheduler's ledger).
+                state.tokens = num_tokens
+                return
             # A reused slot's shared pages past the request's tokens hold none of its bytes: let go of them from the
             # first (one unmap) and map fresh pages as growth does -- ahead of the step, where copy-on-write would
             # replace them one by one inside it. Where the pool has no room for that, copy-on-write as before.
