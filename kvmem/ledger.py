@@ -65,15 +65,12 @@ class PageLedger(NumberedSlotCache):
         """Back ``slot`` up to ``num_tokens`` for mapping ahead, unrecorded (the plan travels apart, as a
         ``MappingPlan``); False, with nothing done, where the pool is short or a shared page would have to be
         copied -- that copy would run on the workers' mapper threads beside the step still writing the page."""
-        self._check_tokens(num_tokens, "num_tokens")
-        with self._lock:
-            if self._shared_in_write_range(self._in_use(slot), self.spec.pages_for(num_tokens), num_tokens):
-                return False
-            try:
-                super().ensure(slot, num_tokens)  # evicts nothing: that would reach the workers after their mappers ran
-            except KVCacheExhausted:
-                return False
-            return True
+        try:
+            # ``SlotCache``'s, not this class's ``ensure``: it evicts nothing (that would reach the workers after their
+            # mappers ran) and records nothing
+            return self._ensure(slot, num_tokens, copy_shared=False)
+        except KVCacheExhausted:
+            return False
 
     def share_prefix(self, src: int, dst: int, tokens: int) -> None:
         super().share_prefix(src, dst, tokens)

@@ -244,18 +244,26 @@ class SlotCache(ABC):
         of free slots when the pool is short. Raises ``KVCacheExhausted`` with the state unchanged when
         even that is not enough.
         """
+        self._ensure(slot, num_tokens, copy_shared=True)
+
+    def _ensure(self, slot: int, num_tokens: int, copy_shared: bool) -> bool:
+        """``ensure``; with ``copy_shared=False``, False and nothing done where a shared page would be copied."""
         self._check_tokens(num_tokens, "num_tokens")
         with self._lock:
-            if self._stale_slots:
-                self._unmap_stale(done_only=True)
             state = self._in_use(slot)
-            state.expected = max(state.expected, num_tokens)
             need = self.spec.pages_for(num_tokens)
-            if need <= len(state.pages) and not self._shared_in_write_range(state, need, num_tokens):
+            shared = self._shared_in_write_range(state, need, num_tokens)
+            if shared and not copy_shared:
+                return False
+            if self._stale_slots:
+                self._unmap_stale(done_only=True)  # may drop a reference to the slot's pages: look again
+                shared = self._shared_in_write_range(state, need, num_tokens)
+            state.expected = max(state.expected, num_tokens)
+            if need <= len(state.pages) and not shared:
                 # Backed already, and no page the writes reach is shared, so none past its tokens either: nothing to
                 # map, copy or drop (a decode step's usual case, twice a sequence a step in the scheduler's ledger).
                 state.tokens = num_tokens
-                return
+                return True
             # A reused slot's shared pages past the request's tokens hold none of its bytes: let go of them from the
             # first (one unmap) and map fresh pages as growth does -- ahead of the step, where copy-on-write would
             # replace them one by one inside it. Where the pool has no room for that, copy-on-write as before.
@@ -274,6 +282,7 @@ class SlotCache(ABC):
             if need > len(state.pages):
                 self._link_run(slot, self._take(need - len(state.pages)))
             state.tokens = num_tokens
+            return True
 
     def _first_shared_past_tokens(self, state: SlotState, need: int) -> int:
         """Index of the slot's first shared page, among those the writes up to ``need`` pages reach, that holds none
