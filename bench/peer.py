@@ -207,15 +207,15 @@ def vattn_round(llm: LLM, result: SideResult, run: WorkloadRun, prompts: list[li
           f"{wall - device:.3f} s)", flush=True)
 
 
-def vattn_profile(llm: LLM, spec: SideSpec, prompts: list[list[int]]) -> str:
-    """One run of ``prompts`` for ``spec.profile_tokens`` tokens under torch's profiler; the trace's path."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+def vattn_profile(llm: LLM, spec: SideSpec, prompts: list[list[int]]) -> list[str]:
+    """One run of ``prompts`` for ``spec.profile_tokens`` tokens under torch's profiler, in every worker (Ray's
+    too: ``LLM.start_profile``); the traces' paths, in rank order."""
+    llm.start_profile(Path(spec.profile_dir) / f"vattn_{spec.profile}")
+    try:
         vattn_generate(llm, prompts, spec.profile_tokens)
-    Path(spec.profile_dir).mkdir(parents=True, exist_ok=True)
-    trace = Path(spec.profile_dir) / f"vattn_{spec.profile}.pt.trace.json.gz"
-    prof.export_chrome_trace(str(trace))
-    return str(trace)
+    finally:
+        traces = llm.stop_profile()
+    return traces
 
 
 def run_vattn(spec: SideSpec, out: Path) -> None:
@@ -239,7 +239,8 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
             for run, prompts in workloads:
                 vattn_round(llm, result, run, prompts, round_)
         if spec.profile:
-            result.profile_trace = vattn_profile(llm, spec, dict((w.name, p) for w, p in workloads)[spec.profile])
+            result.profile_traces = vattn_profile(llm, spec, dict((w.name, p) for w, p in workloads)[spec.profile])
+            result.profile_trace = result.profile_traces[0]
     result.write(out)
 
 
@@ -432,10 +433,10 @@ def breakdowns(results: list[SideResult], requests: int) -> dict:
 
     out = {}
     for r in results:
-        if not r.profile_trace:
-            continue
-        found = tb.steps(tb.load(Path(r.profile_trace)), r"^(execute_context_|vattn_step_)")
-        out[r.label] = {k: tb.summarize([s for s in found if kind(s.name) == k]) for k in ("prefill", "decode")}
+        for rank, trace in enumerate(r.profile_traces or [t for t in [r.profile_trace] if t]):
+            found = tb.steps(tb.load(Path(trace)), r"^(execute_context_|vattn_step_)")
+            label = r.label if rank == 0 else f"{r.label} rank {rank}"
+            out[label] = {k: tb.summarize([s for s in found if kind(s.name) == k]) for k in ("prefill", "decode")}
     return out
 
 
@@ -481,9 +482,9 @@ def main() -> None:
         return print(report.tabulate(rows, headers=headers, floatfmt=".3f"))
     if args.tp > 1:
         stepwise = [n for n in args.workloads if WORKLOADS[n].stepwise]
-        if stepwise or args.profile:
-            raise SystemExit(f"--tp {args.tp} runs vattn on Ray, whose steps and kernels this process cannot see: "
-                             f"leave out {', '.join(stepwise) or f'--profile {args.profile}'}")
+        if stepwise:
+            raise SystemExit(f"--tp {args.tp} runs vattn on Ray, whose steps this process cannot see: "
+                             f"leave out {', '.join(stepwise)}")
         if args.tp > torch.cuda.device_count():
             raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
         # NVLink multicast stays off (the machines' rule), both sides. vLLM 0.26 would fuse its all-reduce and RMSNorm
@@ -506,9 +507,15 @@ def main() -> None:
     for name, sides in running.items():
         print(f"{name}: requests running at once, peak / steady: " + ", ".join(
             f"{k} {v['peak']:.1f} / {v['steady']:.1f}" for k, v in sides.items()))
+    steps = breakdowns(results, WORKLOADS[args.profile].requests) if args.profile else {}
+    for label, kinds in steps.items():
+        for kind, b in kinds.items():
+            if b.get("steps"):
+                cats = "  ".join(f"{k} {v:.2f}" for k, v in b["by_category_ms"].items())
+                print(f"{label} {kind} step ({b['steps']}): kernels {b['kernel_ms']:.2f} ms, device span "
+                      f"{b['device_span_ms'] or 0:.2f} ms, host {b['host_ms']:.2f} ms: {cats}")
     data = {"call_id": call_id, "workloads": {n: vars(WORKLOADS[n]) for n in args.workloads}, "floor": floor,
-            "ratios": ratios, "concurrency": running, "breakdown": breakdowns(results, WORKLOADS[args.profile].requests) if args.profile else {},
-            "sides": [vars(r) for r in results]}
+            "ratios": ratios, "concurrency": running, "breakdown": steps, "sides": [vars(r) for r in results]}
     report.write(args.name, headers, rows, data, args.out)
     plot(rows, headers, args.out / f"{args.name}.png")
 

@@ -84,7 +84,8 @@ class SideResult:
     digests: dict[str, str] = field(default_factory=dict)
     runs: list[dict] = field(default_factory=list)  # {"workload", "round", "wall_s", "output_tokens", ...}
     start_s: float = 0.0  # engine construction, seconds
-    profile_trace: str | None = None
+    profile_trace: str | None = None  # the first worker's (TP rank 0 of the first stage)
+    profile_traces: list[str] = field(default_factory=list)  # every worker's, in rank order
 
     def record(self, workload: str, prompts: list[list[int]], output: int, round_: int, wall_s: float,
                output_tokens: int, followups: list[list[list[int]]] | None = None, **extra) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -119,8 +120,12 @@ def main() -> None:
         llm.start_profile()
         generate(llm, prompts, spec.profile_tokens)
         llm.stop_profile()
-        traces = sorted(Path(spec.profile_dir).rglob("*.json.gz"), key=lambda p: p.stat().st_mtime)
-        result.profile_trace = str(traces[-1]) if traces else None
+        # one trace per rank, "rank{N}.{id}.pt.trace.json.gz": the newest of each
+        newest: dict[int, Path] = {}
+        for trace in sorted(Path(spec.profile_dir).rglob("rank*.json.gz"), key=lambda p: p.stat().st_mtime):
+            newest[int(re.match(r"rank(\d+)", trace.name).group(1))] = trace
+        result.profile_traces = [str(newest[r]) for r in sorted(newest)]
+        result.profile_trace = result.profile_traces[0] if newest else None
     result.write(sys.argv[2])
     del llm
     gc.collect()

@@ -6,6 +6,7 @@ scheduler actor that runs the same core over one worker actor per (pp stage, tp 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence as Seq
 from typing import Protocol
 
@@ -41,6 +42,10 @@ class Engine(Protocol):
     def snapshot(self) -> EngineSnapshot: ...
 
     def reset_prefix_cache(self) -> int: ...
+
+    def start_profile(self, directory: str) -> None: ...
+
+    def stop_profile(self) -> list[str]: ...
 
     def close(self) -> None: ...
 
@@ -145,6 +150,18 @@ class LLM:
         """Forget every cached prefix and give its memory back (vLLM's call); the number of blocks dropped.
         Running requests keep the blocks they hold."""
         return self._engine.reset_prefix_cache()
+
+    def start_profile(self, directory: str | os.PathLike) -> None:
+        """Record every worker's steps under torch's profiler (CPU and CUDA activity, each step a range named
+        ``vattn_step_prefill(P)_decode(D)_seqs(S)``) until ``stop_profile`` (vLLM's calls). Each worker writes
+        ``directory/vattn_pp{P}_tp{T}.pt.trace.json.gz`` on its own host; ``bench/trace_breakdown.py`` splits one
+        into steps and kernels by kind. Raises ``RuntimeError`` while already recording."""
+        self._engine.start_profile(os.fspath(directory))
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording and write the traces; their paths, one per worker (pp-major). Raises ``RuntimeError``
+        when not recording."""
+        return self._engine.stop_profile()
 
     def generate(self, prompts: Prompts, sampling_params: ParamsArg = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order."""

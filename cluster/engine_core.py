@@ -12,15 +12,12 @@ step k ends (a stop token) wasted its step k+1 row; one that step k ends by leng
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import random
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-
-import torch
 
 from cluster.config import EnginePlan
 from cluster.executor import Executor, PendingStep
@@ -209,6 +206,14 @@ class EngineCore:
             self._flush_or_defer()
         return dropped
 
+    def start_profile(self, directory: str) -> None:
+        """Every worker records its steps under torch's profiler until ``stop_profile`` (``Worker.start_profile``)."""
+        self.executor.start_profile(str(directory))
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording; every worker's trace (pp-major), each on its worker's host."""
+        return self.executor.stop_profile()
+
     def poll(self, pending: set[str], finished_only: bool) -> list[RequestOutput]:
         return self.step(finished_only)
 
@@ -293,8 +298,7 @@ class EngineCore:
             len(out.preempted),
         )
         step = self._step_input(out)
-        with _step_annotation(info):
-            pending = self.executor.submit(step)
+        pending = self.executor.submit(step)
         self.num_overlapped_steps += bool(self._in_flight)
         late = ()
         if step.late_masks:
@@ -560,12 +564,3 @@ class EngineCore:
     def close(self) -> None:
         self.executor.close()
 
-
-def _step_annotation(info: StepInfo):
-    """Under torch's profiler, a range around a step's launch named after what it runs, so that traces split into
-    steps (``bench/trace_breakdown.py``); nothing otherwise: the hot path pays one flag check."""
-    if not torch.autograd._profiler_enabled():
-        return contextlib.nullcontext()
-    decode = info.num_tokens - info.num_prefill_tokens
-    return torch.profiler.record_function(
-        f"vattn_step_prefill({info.num_prefill_tokens})_decode({decode})_seqs({info.num_seqs})")

@@ -43,6 +43,12 @@ class Executor(Protocol):
     def rebuild(self) -> None:
         """Replace the workers with fresh ones (new caches, model loaded again)."""
 
+    def start_profile(self, directory: str) -> None:
+        """Every worker records its steps under torch's profiler (``Worker.start_profile``)."""
+
+    def stop_profile(self) -> list[str]:
+        """Every worker's trace, pp-major."""
+
     def close(self) -> None: ...
 
 
@@ -78,6 +84,12 @@ class LocalExecutor:
     def rebuild(self) -> None:
         self.worker.close()
         self.worker = Worker(self._config, self._model)
+
+    def start_profile(self, directory: str) -> None:
+        self.worker.start_profile(directory)
+
+    def stop_profile(self) -> list[str]:
+        return [self.worker.stop_profile()]
 
     def close(self) -> None:
         self.worker.close()

@@ -88,6 +88,12 @@ class RayEngine:
     def reset_prefix_cache(self) -> int:
         return _get(self.actor.reset_prefix_cache.remote())
 
+    def start_profile(self, directory: str) -> None:
+        _get(self.actor.start_profile.remote(directory))
+
+    def stop_profile(self) -> list[str]:
+        return _get(self.actor.stop_profile.remote())
+
     def worker_accounting(self) -> list[SlotAccounting]:
         """Each worker's slot accounting, then the scheduler's ledger's."""
         return _get(self.actor.worker_accounting.remote())

@@ -267,6 +267,13 @@ class RayExecutor:
         """Every worker's slot accounting (the workers' threads answer between steps)."""
         return ray.get([a.accounting.remote() for a in self._actors])
 
+    def start_profile(self, directory: str) -> None:
+        """Every worker records its steps under torch's profiler, the traces on each worker's host."""
+        ray.get([a.start_profile.remote(directory) for a in self._actors])
+
+    def stop_profile(self) -> list[str]:
+        return ray.get([a.stop_profile.remote() for a in self._actors])
+
     # -- lifetime ------------------------------------------------------------------------------
     def rebuild(self) -> None:
         self.close()

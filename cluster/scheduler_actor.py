@@ -180,6 +180,18 @@ class SchedulerActor:
         with self._core_lock:
             return self.core.reset_prefix_cache()
 
+    def start_profile(self, directory: str) -> None:
+        """``EngineCore.start_profile`` between steps."""
+        self._check_alive()
+        with self._core_lock:
+            self.core.start_profile(directory)
+
+    def stop_profile(self) -> list[str]:
+        """``EngineCore.stop_profile`` between steps."""
+        self._check_alive()
+        with self._core_lock:
+            return self.core.stop_profile()
+
     def worker_accounting(self) -> list[SlotAccounting]:
         """Every worker's slot accounting, and the ledger's last (tests check they agree)."""
         with self._core_lock:

@@ -115,6 +115,12 @@ class WorkerActor:
     def report(self, _hidden: torch.Tensor) -> WorkerOutput:
         return WorkerOutput({}, self.worker.report())
 
+    def start_profile(self, directory: str) -> None:
+        self.worker.start_profile(directory)
+
+    def stop_profile(self) -> str:
+        return self.worker.stop_profile()
+
     def accounting(self) -> SlotAccounting:
         self._select_device()
         return self.worker.cache.accounting()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -22,6 +23,7 @@ from worker.messages import PLACEHOLDER, NewSeq, StepInput, WorkerReport
 from worker.model import Transformer
 from worker.parallel import TPGroup
 from worker.peer_all_reduce import PeerAllReduce
+from worker.profiler import StepProfiler
 from worker.runner import LaunchedStep, ModelRunner, ScheduledChunk, StepOutput, StepPlan, TokenFill
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class Worker:
         self._busy = 0.0
         self._device = 0.0  # device time of the steps finished (CUDA)
         self._in_flight: PendingOutput | None = None  # launched, its result not read yet
+        self.profiler = StepProfiler()
 
     def kv_memory_available(self, fraction: float | None, sharers: int, utilization: float | None = None) -> int:
         """Bytes of KV memory this worker could take: ``fraction`` of what its device has free now that its
@@ -154,7 +157,8 @@ class Worker:
         that end in a placeholder take the token step k drew on the device."""
         start = time.perf_counter()
         try:
-            return self._launch(step, inputs)
+            with self.profiler.step(step):
+                return self._launch(step, inputs)
         finally:
             self._busy += time.perf_counter() - start
 
@@ -299,8 +303,20 @@ class Worker:
                             self.cache.free_pages(), maps, unmaps, stall, self._busy, self.swap.used_bytes if self.swap else 0,
                             latencies, self._device, self.tp.peer is not None)
 
+    def start_profile(self, directory: str) -> None:
+        """Record this worker's steps under torch's profiler (``StepProfiler``) until ``stop_profile``, which writes
+        ``directory/vattn_pp{P}_tp{T}.pt.trace.json.gz`` on this worker's host."""
+        c = self.config
+        self.profiler.start(Path(directory) / f"vattn_pp{c.pp_rank}_tp{c.tp_rank}.pt.trace.json.gz")
+
+    def stop_profile(self) -> str:
+        """Stop recording; the trace's path."""
+        return str(self.profiler.stop())
+
     def close(self) -> None:
-        """Stop the mapper and give every byte of KV memory back."""
+        """Stop the mapper and give every byte of KV memory back (and the profiler, writing its trace)."""
+        if self.profiler.active:
+            self.profiler.stop()
         if self.cache is None:
             return
         try:

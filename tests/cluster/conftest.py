@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 import torch
 
@@ -60,3 +63,11 @@ def write_hf_model(kind: str, tmp_path_factory):
                                  do_sample=False, pad_token_id=0)
             expected.append(out[0, len(p):].tolist())
     return str(path), prompts, expected
+
+
+def step_ranges(trace: str) -> list[str]:
+    """The step ranges of a worker's trace, in time order."""
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("name", "").startswith("vattn_step_")]
+

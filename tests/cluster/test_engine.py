@@ -11,6 +11,7 @@ import torch
 
 from cluster.engine import LLM
 from cluster.errors import EngineDeadError
+from tests.cluster.conftest import step_ranges
 from worker.config import PRESETS
 from worker.loader import random_model
 from worker.sampling import SampledToken, SamplingParams
@@ -744,3 +745,19 @@ def test_the_engine_takes_the_tokenizer_and_chat_template_it_is_given(tmp_path):
         assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"
         (out,) = llm.generate("The fox", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         assert list(out.prompt_token_ids) == llm.tokenizer.encode("The fox") != list(b"The fox")
+
+
+
+def test_a_profile_records_each_step_as_a_range_named_after_what_it_runs(llm, tmp_path):
+    llm.start_profile(tmp_path)
+    with pytest.raises(RuntimeError, match="already recording"):
+        llm.start_profile(tmp_path)
+    llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert llm.stop_profile() == [str(tmp_path / "vattn_pp0_tp0.pt.trace.json.gz")]
+    # both prompts in one step (drawing each's first token), then two decode steps; steps with KV operations only
+    # (no batch) are left out here
+    steps = [s for s in step_ranges(str(tmp_path / "vattn_pp0_tp0.pt.trace.json.gz")) if not s.endswith("_seqs(0)")]
+    assert steps == [
+        "vattn_step_prefill(8)_decode(0)_seqs(2)"] + ["vattn_step_prefill(0)_decode(2)_seqs(2)"] * 2
+    with pytest.raises(RuntimeError, match="not recording"):
+        llm.stop_profile()

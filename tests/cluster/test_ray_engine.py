@@ -16,7 +16,7 @@ from cluster.config import EngineConfig, model_config, plan  # noqa: E402
 from cluster.engine import LLM  # noqa: E402
 from cluster.errors import EngineDeadError  # noqa: E402
 from cluster.ray_executor import RayExecutor  # noqa: E402
-from tests.cluster.conftest import NEW_TOKENS  # noqa: E402
+from tests.cluster.conftest import NEW_TOKENS, step_ranges  # noqa: E402
 from worker.sampling import SamplingParams, StructuredOutputs  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -201,6 +201,18 @@ def test_parallel_and_seeded_sampling_equal_the_in_process_engine():
         assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:]))
     assert streamed[-1].finished and [c.token_ids for c in streamed[-1].outputs] == [c.token_ids for c in want[0].outputs]
     assert len(streamed) > 1  # it streamed
+
+
+def test_a_profile_gives_a_trace_per_worker_with_the_same_steps_on_every_tp_rank(tmp_path):
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, kv_memory=8 << 20, **SMALL) as llm:
+        llm.start_profile(tmp_path)
+        llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        traces = llm.stop_profile()
+        with pytest.raises(RuntimeError, match="not recording"):
+            llm.stop_profile()
+    assert traces == [str(tmp_path / f"vattn_pp0_tp{r}.pt.trace.json.gz") for r in (0, 1)]
+    ranks = [[s for s in step_ranges(t) if not s.endswith("_seqs(0)")] for t in traces]
+    assert ranks[0] == ranks[1] == ["vattn_step_prefill(8)_decode(0)_seqs(2)"] + ["vattn_step_prefill(0)_decode(2)_seqs(2)"] * 2
 
 
 def test_grammar_masks_ride_on_the_next_call_and_a_constrained_request_samples_every_step():
