@@ -288,7 +288,7 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
             "vllm-defaults": SideSpec(engine="vllm", label="vllm-defaults", model=str(model_dir), **common,
                                       engine_args=({"kv_cache_memory_bytes": kv} if budgeted else {}) | shape),
         }
-        order = [sides[s] for s in args.sides] + [sides[s] for s in reversed(args.sides)]
+        order = [] if args.profile_only else [sides[s] for s in args.sides] + [sides[s] for s in reversed(args.sides)]
         if profile:  # one more process per engine, after the timed ones: profiling slows the host
             order += [SideSpec(**{**vars(sides[s]), "reps": 0, "profile": profile,
                                   "profile_dir": str(work / "profiles"), "label": f"{s}-profile"})
@@ -455,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--profile", choices=sorted(WORKLOADS), help="profile this workload in both engines, after")
     run.add_argument("--profile-tokens", type=int, default=32)
+    run.add_argument("--profile-only", action="store_true", help="only the profiled processes, no timed rounds")
     run.add_argument("--timeout", type=float, default=900, help="seconds per engine process")
     run.add_argument("--work", type=Path, default=Path("/tmp/vattn_peer"))
     run.add_argument("--name", default="peer")
@@ -480,6 +481,8 @@ def main() -> None:
     if args.cmd == "compare":
         headers, rows, _ = compare([SideResult.read(p) for p in args.results], None)
         return print(report.tabulate(rows, headers=headers, floatfmt=".3f"))
+    if args.profile_only and args.profile not in args.workloads:
+        raise SystemExit("--profile-only runs the profiled processes only: name one of --workloads with --profile")
     if args.tp > 1:
         stepwise = [n for n in args.workloads if WORKLOADS[n].stepwise]
         if stepwise:
@@ -494,7 +497,7 @@ def main() -> None:
                           VLLM_FLASHINFER_ALLREDUCE_BACKEND="trtllm")
     call_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     args.work.mkdir(parents=True, exist_ok=True)
-    floor = floors(args, args.work) if args.tp == 1 else None  # one GPU's floor
+    floor = floors(args, args.work) if args.tp == 1 and not args.profile_only else None  # one GPU's floor
     results, index = [], 0
     for preset, specs in prepare(args, call_id, args.work).items():
         for spec in specs:
@@ -517,7 +520,8 @@ def main() -> None:
     data = {"call_id": call_id, "workloads": {n: vars(WORKLOADS[n]) for n in args.workloads}, "floor": floor,
             "ratios": ratios, "concurrency": running, "breakdown": steps, "sides": [vars(r) for r in results]}
     report.write(args.name, headers, rows, data, args.out)
-    plot(rows, headers, args.out / f"{args.name}.png")
+    if rows:
+        plot(rows, headers, args.out / f"{args.name}.png")
 
 
 def plot(rows: list[list], headers: list[str], path: Path) -> None:

@@ -141,6 +141,16 @@ def test_tensor_parallel_runs_refuse_what_only_the_in_process_engine_shows(monke
         peer.main()
 
 
+def test_profile_only_runs_one_profiled_process_per_engine_and_needs_a_profiled_workload(tmp_path, monkeypatch):
+    args = peer.build_parser().parse_args(["run", "--workloads", "decode", "--sides", "vattn", "vllm", "--tp", "2",
+                                           "--profile", "decode", "--profile-only"])
+    (order,) = peer.prepare(args, "call-1", tmp_path).values()
+    assert [(s.label, s.reps, s.profile) for s in order] == [("vattn-profile", 0, "decode"), ("vllm-profile", 0, "decode")]
+    monkeypatch.setattr(sys, "argv", ["peer.py", "run", "--workloads", "w1", "--profile-only"])
+    with pytest.raises(SystemExit, match="--profile-only runs the profiled processes only"):
+        peer.main()
+
+
 def test_vattn_side_runs_on_ray_with_tensor_parallelism(tmp_path):
     spec = tiny_side(tmp_path, 4, 8, WorkloadRun("w1", "", 5), reps=1, profile="w1",
                      profile_dir=str(tmp_path / "profiles"), profile_tokens=6)
