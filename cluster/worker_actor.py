@@ -23,7 +23,7 @@ class WorkerActor:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.worker: Worker | None = None
-        self._distributed = False
+        self._groups: tuple | None = None  # (TP group, its gloo twin) once joined; None: not distributed
         # This worker's CUDA device where it sees more than its own GPU: selected again in every call (``_select_device``)
         self._device: int | None = None
 
@@ -46,11 +46,10 @@ class WorkerActor:
         cfg = self.config
         if cfg.device == "cuda":
             self._device = _select(node_gpus)
-        group = None
         if init_method is not None:
-            group = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank)
-            self._distributed = True
-        self.worker = Worker(cfg, tp_group=group)
+            self._groups = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank)
+        group, cpu_group = self._groups or (None, None)  # set up again without joining: the groups joined before
+        self.worker = Worker(cfg, tp_group=group, tp_cpu_group=cpu_group)
         self._link = link
         self._hidden_dtype = next(self.worker.model.parameters()).dtype
         # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
@@ -134,9 +133,9 @@ class WorkerActor:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-        if self._distributed:
+        if self._groups is not None:
             _leave_groups()
-            self._distributed = False
+            self._groups = None
 
 
 # Module-level on purpose: Ray pickles actor methods by value, and cloudpickle then takes along every
@@ -159,13 +158,14 @@ def _select(node_gpus: tuple[str, ...]) -> int | None:
 
 
 def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_ranks: list[list[int]], stage: int):
+    """This stage's TP group (None: the default group, with one stage) and the same ranks over gloo, for what the
+    hosts agree on (``TPGroup.cpu_group``); every rank creates every stage's groups, in the same order."""
     backend = "nccl" if device == "cuda" else "gloo"
     kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
-    if len(stage_ranks) == 1:
-        return None  # one stage: its TP group is the whole world, the default group
-    groups = [dist.new_group(ranks) for ranks in stage_ranks]
-    return groups[stage]
+    groups = [None] if len(stage_ranks) == 1 else [dist.new_group(ranks) for ranks in stage_ranks]
+    cpu_groups = [dist.new_group(ranks, backend="gloo") for ranks in stage_ranks]
+    return groups[stage], cpu_groups[stage]
 
 
 def _leave_groups() -> None:

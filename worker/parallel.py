@@ -20,6 +20,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
+    # The same ranks over gloo (None: ``group`` itself): agreements between the ranks' hosts (``failed_rank``) that
+    # must not queue behind the device's work, as a sum over NCCL does.
+    cpu_group: Any = field(default=None, compare=False, repr=False)
     # Sums in rank order (``deterministic=True``): NCCL's ring and tree add a chunk's partial sums in an order
     # that depends on which chunk an element falls in, so on the tensor's size, so on the batch.
     ordered: bool = False
@@ -67,14 +70,18 @@ class TPGroup:
             torch.cuda.synchronize(device)
 
     def failed_rank(self, failed: bool, device: torch.device) -> int | None:
-        """The highest rank that says ``failed``, or None (every rank must call it, as with any collective)."""
+        """The highest rank that says ``failed``, or None (every rank must call it, as with any collective). Over
+        ``cpu_group`` where there is one: over NCCL the sum queues behind the step in flight, and reading it waits for
+        that step, so every launch at TP > 1 waited for the device to finish the step before (2xH200)."""
         if self.size == 1:
             return self.rank if failed else None
         import torch.distributed as dist
 
-        t = torch.tensor([self.rank + 1 if failed else 0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t.item()) - 1 if t.item() else None
+        group, where = (self.cpu_group, "cpu") if self.cpu_group is not None else (self.group, device)
+        t = torch.tensor([self.rank + 1 if failed else 0], device=where)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        highest = int(t.item())
+        return highest - 1 if highest else None
 
 
 class Linear(nn.Linear):

@@ -78,15 +78,15 @@ class WorkerConfig:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, model: Transformer | None = None, tp_group=None):
+    def __init__(self, config: WorkerConfig, model: Transformer | None = None, tp_group=None, tp_cpu_group=None):
         """``model``: an already built shard (in-process use); ``tp_group``: the torch.distributed group
-        of this stage's TP ranks when ``tp_size`` > 1."""
+        of this stage's TP ranks when ``tp_size`` > 1, ``tp_cpu_group`` the same ranks over gloo (``TPGroup``)."""
         self.config = config
         self.device = torch.device(config.device)
         self._backend = get_backend(config.attention, self.device)  # a missing package fails before weights load
         if self.device.type == "cuda" and self.device.index is None:  # the one this process selected (a Ray actor's)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        tp = TPGroup(config.tp_rank, config.tp_size, tp_group, ordered=config.deterministic,
+        tp = TPGroup(config.tp_rank, config.tp_size, tp_group, tp_cpu_group, ordered=config.deterministic,
                      overlap_rows=config.tp_overlap_rows)
         if config.tp_size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             tp = replace(tp, peer=PeerAllReduce.connect(tp, self.device))

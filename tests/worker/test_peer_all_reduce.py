@@ -1,10 +1,12 @@
 """The peer-memory all-reduce on two GPUs (two processes, NCCL beside it): the same sums as NCCL's, eagerly and
-replayed from a CUDA graph, and NCCL for what it does not take; and whether processes that see one GPU each (as
-Ray lends them) can share peer memory at all."""
+replayed from a CUDA graph, and NCCL for what it does not take; whether processes that see one GPU each (as
+Ray lends them) can share peer memory at all; and the ranks' agreement on a failure, over gloo, not waiting for the
+device."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -106,3 +108,30 @@ def test_ranks_that_see_one_gpu_each_agree_whether_peer_memory_works(tmp_path):
     answers = _two_ranks(_isolated_rank, tmp_path)
     assert answers[0] == answers[1]
     print(f"peer memory between processes that see one GPU each: {'works' if answers[0] else 'fails'}")
+
+
+def _agreeing_rank(rank: int, init: str, out: str) -> None:
+    device = _join(rank, init, isolated=False)
+    try:
+        hosts = torch.distributed.new_group([0, 1], backend="gloo")
+        timings = {}
+        for name, tp in (("gloo", TPGroup(rank, 2, cpu_group=hosts)), ("nccl", TPGroup(rank, 2))):
+            tp.barrier(device)
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of device work queued, as a step in flight is
+            start = time.perf_counter()
+            nobody = tp.failed_rank(False, device)
+            timings[name] = (time.perf_counter() - start, nobody, tp.failed_rank(rank == 1, device))
+        torch.cuda.synchronize(device)
+        torch.save(timings, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_ranks_agree_on_a_failure_without_waiting_for_the_device(tmp_path):
+    # Every TP rank asks the others before it launches a step; over NCCL that question queued behind the step in
+    # flight, so each launch waited for the device. Over the hosts' gloo group it returns at once.
+    for timings in _two_ranks(_agreeing_rank, tmp_path):
+        waited, nobody, failed = timings["gloo"]
+        assert waited < 0.2 and nobody is None and failed == 1
+        waited, nobody, failed = timings["nccl"]
+        assert waited > 0.2 and nobody is None and failed == 1  # the old way: behind the queued work
