@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -120,11 +119,11 @@ def main() -> None:
         llm.start_profile()
         generate(llm, prompts, spec.profile_tokens)
         llm.stop_profile()
-        # one trace per rank, "rank{N}.{id}.pt.trace.json.gz": the newest of each
-        newest: dict[int, Path] = {}
-        for trace in sorted(Path(spec.profile_dir).rglob("rank*.json.gz"), key=lambda p: p.stat().st_mtime):
-            newest[int(re.match(r"rank(\d+)", trace.name).group(1))] = trace
-        result.profile_traces = [str(newest[r]) for r in sorted(newest)]
+        # one trace per rank, named "{worker}.{id}.pt.trace.json.gz" ("rank0...", "rank1..."): each one's newest
+        newest: dict[str, Path] = {}
+        for trace in sorted(Path(spec.profile_dir).rglob("*.json.gz"), key=lambda p: p.stat().st_mtime):
+            newest[trace.name.split(".")[0]] = trace
+        result.profile_traces = [str(newest[w]) for w in sorted(newest, key=lambda w: (len(w), w))]
         result.profile_trace = result.profile_traces[0] if newest else None
     result.write(sys.argv[2])
     del llm
