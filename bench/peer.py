@@ -291,7 +291,7 @@ def prepare(args, call_id: str, work: Path) -> dict[str, list[SideSpec]]:
         order = [] if args.profile_only else [sides[s] for s in args.sides] + [sides[s] for s in reversed(args.sides)]
         if profile:  # one more process per engine, after the timed ones: profiling slows the host
             order += [SideSpec(**{**vars(sides[s]), "reps": 0, "profile": profile,
-                                  "profile_dir": str(work / "profiles"), "label": f"{s}-profile"})
+                                  "profile_dir": str(work / "profiles" / s), "label": f"{s}-profile"})
                       for s in args.sides if s != "vllm-defaults"]
         specs[f"{preset} {kv_gib:g} GiB"] = order
     return specs
