@@ -102,6 +102,8 @@ VATTN_SIDES = {
     "vattn-fa3": {"attention": "fa3"},  # FlashAttention-3, one kernel a step (tools/build_fa3.py), as vLLM runs
     "vattn-fa2decode": {},  # all-decode steps on flash-attn's kernel, not FA3's decode tiles (environment below)
     "vattn-tilesall": {},  # FA3's decode tiles at every batch size, not flash-attn's kernel past 256 sequences
+    # One GPU, through Ray as the TP sides run, beside ``--tp N``'s: what N GPUs gain, in the call that measures vLLM
+    "vattn-tp1": {"tensor_parallel_size": 1},
 }
 VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
                   "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)}}
@@ -387,6 +389,8 @@ def compare(results: list[SideResult], floor: dict | None) -> tuple[list[str], l
         ratios[name] = {"vattn_over_vllm": ratio, "means_s": means, "walls_s": {lab: walls[(name, lab)] for lab in means},
                         "prefix_hit_rate": {lab: statistics.mean(hits[(name, lab)]) for lab in means if (name, lab) in hits},
                         "best_vllm": min(peers, key=peers.get) if peers else None}
+        if "vattn" in means and "vattn-tp1" in means:  # what --tp N GPUs gain over one (issue 26's targets)
+            ratios[name]["vattn_over_vattn_tp1"] = means["vattn"] / means["vattn-tp1"]
         fl = f["total_s"] if f else None
         rows.append([name] + [means.get(lab) for lab in labels] + [
             ratio, fl, means["vattn"] / fl if fl and "vattn" in means else None, best / fl if fl and best else None])

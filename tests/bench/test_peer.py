@@ -133,6 +133,10 @@ def test_tensor_parallel_sides_give_both_engines_the_shape_and_run_vattn_on_ray(
     assert vattn.engine_args["tensor_parallel_size"] == 2 and vattn.engine_args["distributed"] == "ray"
     assert vllm.engine_args["tensor_parallel_size"] == 2 and "distributed" not in vllm.engine_args
     assert defaults.engine_args == {"tensor_parallel_size": 2}
+    # vattn on one GPU beside them, through Ray too: the TP=2 / TP=1 ratio from the call that measures vLLM
+    one = next(s for s in peer.prepare(peer.build_parser().parse_args(
+        ["run", "--tp", "2", "--workloads", "w1", "--sides", "vattn", "vattn-tp1"]), "call-1", tmp_path).values())[1]
+    assert one.label == "vattn-tp1" and one.engine_args == vattn.engine_args | {"tensor_parallel_size": 1}
 
 
 def test_tensor_parallel_runs_refuse_what_only_the_in_process_engine_shows(monkeypatch):
