@@ -509,7 +509,8 @@ def main() -> None:
             index += 1
             if r is not None:
                 results.append(r)
-    headers, rows, ratios = compare(results, floor)
+    # profiled processes alone time nothing: only their breakdowns (one engine's, should the other fail)
+    headers, rows, ratios = ([], [], {}) if args.profile_only else compare(results, floor)
     running = concurrency(results)
     for name, sides in running.items():
         print(f"{name}: requests running at once, peak / steady: " + ", ".join(
