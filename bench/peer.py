@@ -21,6 +21,7 @@ past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -215,9 +216,11 @@ def vattn_profile(llm: LLM, spec: SideSpec, prompts: list[list[int]]) -> list[st
     llm.start_profile(Path(spec.profile_dir) / f"vattn_{spec.profile}")
     try:
         vattn_generate(llm, prompts, spec.profile_tokens)
-    finally:
-        traces = llm.stop_profile()
-    return traces
+    except BaseException:
+        with contextlib.suppress(Exception):  # the run's own error is the one to see
+            llm.stop_profile()
+        raise
+    return llm.stop_profile()
 
 
 def run_vattn(spec: SideSpec, out: Path) -> None:

@@ -116,13 +116,15 @@ def main() -> None:
             print(f"{spec.label} {w.name} round {round_}: {wall:.3f} s", flush=True)
     if spec.profile:
         prompts = dict((w.name, p) for w, p in workloads)[spec.profile]
+        begun = time.time()  # the work directory may hold traces of earlier calls
         llm.start_profile()
         generate(llm, prompts, spec.profile_tokens)
         llm.stop_profile()
         # one trace per rank, named "{worker}.{id}.pt.trace.json.gz" ("rank0...", "rank1..."): each one's newest
         newest: dict[str, Path] = {}
         for trace in sorted(Path(spec.profile_dir).rglob("*.json.gz"), key=lambda p: p.stat().st_mtime):
-            newest[trace.name.split(".")[0]] = trace
+            if trace.stat().st_mtime >= begun:
+                newest[trace.name.split(".")[0]] = trace
         result.profile_traces = [str(newest[w]) for w in sorted(newest, key=lambda w: (len(w), w))]
         result.profile_trace = result.profile_traces[0] if newest else None
     result.write(sys.argv[2])

@@ -51,7 +51,7 @@ class PeerAllReduce:
                 raise RuntimeError(f"a probe sum over {tp.size} ranks came out as {probe[0].item()}")
         except Exception as exc:  # no symmetric memory here (no peer access, an old driver): NCCL for everything
             error = exc
-        failed = tp.failed_rank(error is not None, device)  # over NCCL
+        failed = tp.failed_rank(error is not None, device)  # every rank answers the same
         if failed is None:
             return peer
         if error is not None:

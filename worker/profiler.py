@@ -32,7 +32,10 @@ def step_name(step: StepInput) -> str:
 class StepProfiler:
     """One worker's profiler: off until ``start``, which ``stop`` ends by writing the trace."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        # The worker's device, made current on the profiler's thread: stopping synchronizes the current device,
+        # which on a new thread is device 0 -- another rank's GPU where a worker sees its peers'.
+        self._device = device if device is not None and device.type == "cuda" else None
         self._profile: profile | None = None
         self._path: Path | None = None
         self._thread: ThreadPoolExecutor | None = None
@@ -46,7 +49,8 @@ class StepProfiler:
         ``path``, creating its directory."""
         if self._profile is not None:
             raise RuntimeError(f"the profiler is already recording (to {self._path}): stop it first")
-        thread = ThreadPoolExecutor(1, thread_name_prefix="vattn-profiler")
+        select = (lambda: torch.cuda.set_device(self._device)) if self._device is not None else None
+        thread = ThreadPoolExecutor(1, thread_name_prefix="vattn-profiler", initializer=select)
         try:
             prof = thread.submit(_started).result()
         except BaseException:
@@ -55,7 +59,8 @@ class StepProfiler:
         self._profile, self._path, self._thread = prof, Path(path), thread
 
     def stop(self) -> Path:
-        """Stop recording and write the trace; its path."""
+        """Stop recording and write the trace; its path. Between steps (the engine calls it so): a step launching
+        meanwhile would lose its range."""
         if self._profile is None:
             raise RuntimeError("the profiler is not recording: start_profile() first")
         prof, path, thread = self._profile, self._path, self._thread

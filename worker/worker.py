@@ -103,7 +103,7 @@ class Worker:
         self._busy = 0.0
         self._device = 0.0  # device time of the steps finished (CUDA)
         self._in_flight: PendingOutput | None = None  # launched, its result not read yet
-        self.profiler = StepProfiler()
+        self.profiler = StepProfiler(self.device)
 
     def kv_memory_available(self, fraction: float | None, sharers: int, utilization: float | None = None) -> int:
         """Bytes of KV memory this worker could take: ``fraction`` of what its device has free now that its
@@ -315,8 +315,11 @@ class Worker:
 
     def close(self) -> None:
         """Stop the mapper and give every byte of KV memory back (and the profiler, writing its trace)."""
-        if self.profiler.active:
-            self.profiler.stop()
+        if self.profiler.active:  # closed while recording (the engine stopping, or its workers rebuilt): keep the trace
+            try:
+                logger.warning("worker closed while profiling: its trace is in %s", self.profiler.stop())
+            except Exception:
+                logger.exception("worker closed while profiling: its trace could not be written")
         if self.cache is None:
             return
         try:
