@@ -425,7 +425,9 @@ def concurrency(results: list[SideResult]) -> dict:
 
 
 def breakdowns(results: list[SideResult], requests: int) -> dict:
-    """Per profiled engine: the mean prefill step (>= 4096 prefill tokens) and full decode step by category."""
+    """Per profiled engine and rank: the mean prefill step (>= 4096 prefill tokens) and full decode step by
+    category; for a rank after the first, how much later than rank 0 its decode steps' first kernels start (the
+    median over the steps both ran; the traces share the host's clock), which a rank that launches late shows."""
     import re
 
     import trace_breakdown as tb
@@ -440,11 +442,31 @@ def breakdowns(results: list[SideResult], requests: int) -> dict:
 
     out = {}
     for r in results:
+        first: list[float | None] = []
         for rank, trace in enumerate(r.profile_traces or [t for t in [r.profile_trace] if t]):
             found = tb.steps(tb.load(Path(trace)), r"^(execute_context_|vattn_step_)")
             label = r.label if rank == 0 else f"{r.label} rank {rank}"
             out[label] = {k: tb.summarize([s for s in found if kind(s.name) == k]) for k in ("prefill", "decode")}
+            starts = [s.first_kernel_us for s in found if kind(s.name) == "decode"]
+            if rank == 0:
+                first = starts
+            elif lags := [b - a for a, b in zip(first, starts) if a is not None and b is not None]:
+                out[label]["decode_start_after_rank0_ms"] = statistics.median(lags) / 1e3
     return out
+
+
+def describe(steps: dict) -> list[str]:
+    """A line per engine, rank and kind of step of ``breakdowns``' result."""
+    lines = []
+    for label, kinds in steps.items():
+        for kind in ("prefill", "decode"):
+            if (b := kinds[kind]).get("steps"):
+                cats = "  ".join(f"{k} {v:.2f}" for k, v in b["by_category_ms"].items())
+                lag = kinds.get("decode_start_after_rank0_ms") if kind == "decode" else None
+                lines.append(f"{label} {kind} step ({b['steps']}): kernels {b['kernel_ms']:.2f} ms, device span "
+                             f"{b['device_span_ms'] or 0:.2f} ms, host {b['host_ms']:.2f} ms"
+                             + (f", starting {lag:.2f} ms after rank 0's" if lag is not None else "") + f": {cats}")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -519,12 +541,8 @@ def main() -> None:
         print(f"{name}: requests running at once, peak / steady: " + ", ".join(
             f"{k} {v['peak']:.1f} / {v['steady']:.1f}" for k, v in sides.items()))
     steps = breakdowns(results, WORKLOADS[args.profile].requests) if args.profile else {}
-    for label, kinds in steps.items():
-        for kind, b in kinds.items():
-            if b.get("steps"):
-                cats = "  ".join(f"{k} {v:.2f}" for k, v in b["by_category_ms"].items())
-                print(f"{label} {kind} step ({b['steps']}): kernels {b['kernel_ms']:.2f} ms, device span "
-                      f"{b['device_span_ms'] or 0:.2f} ms, host {b['host_ms']:.2f} ms: {cats}")
+    for line in describe(steps):
+        print(line)
     data = {"call_id": call_id, "workloads": {n: vars(WORKLOADS[n]) for n in args.workloads}, "floor": floor,
             "ratios": ratios, "concurrency": running, "breakdown": steps, "sides": [vars(r) for r in results]}
     report.write(args.name, headers, rows, data, args.out)

@@ -109,6 +109,35 @@ def test_kernels_are_put_in_categories():
     assert trace_breakdown.category("void c10d::symmetric_memory::one_shot_all_reduce_kernel<bf16>") == "all-reduce"
 
 
+def synthetic_trace(path: Path, steps: list[tuple[str, float]], kernel_after_us: float) -> str:
+    """A Chrome trace of ``steps`` (name, start in us): each launches one 100-us attention kernel
+    ``kernel_after_us`` after it starts."""
+    events = []
+    for i, (name, ts) in enumerate(steps):
+        events += [{"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": 50},
+                   {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts + 10, "dur": 5,
+                    "args": {"correlation": i}},
+                   {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "ts": ts + kernel_after_us, "dur": 100,
+                    "args": {"correlation": i}}]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def test_a_breakdown_per_rank_says_how_late_each_rank_starts_its_decode_steps(tmp_path):
+    steps = [("vattn_step_prefill(0)_decode(2)_seqs(2)", 1000.0 * i) for i in range(5)]
+    result = SideResult("c", "vattn", "vattn", "H200", {}, {}, profile_traces=[
+        synthetic_trace(tmp_path / "rank0.json", steps, 20), synthetic_trace(tmp_path / "rank1.json", steps, 520)])
+    out = peer.breakdowns([result], requests=2)
+    assert out["vattn"]["decode"]["steps"] == out["vattn rank 1"]["decode"]["steps"] == 4  # the last has no end
+    assert out["vattn"]["decode"]["by_category_ms"] == {"attention": 0.1}
+    assert out["vattn rank 1"]["decode_start_after_rank0_ms"] == pytest.approx(0.5)
+    assert "decode_start_after_rank0_ms" not in out["vattn"]
+    assert peer.describe(out) == [
+        "vattn decode step (4): kernels 0.10 ms, device span 1.00 ms, host 0.05 ms: attention 0.10",
+        "vattn rank 1 decode step (4): kernels 0.10 ms, device span 1.00 ms, host 0.05 ms, starting 0.50 ms after "
+        "rank 0's: attention 0.10"]
+
+
 def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):
     args = peer.build_parser().parse_args(["run", "--workloads", "w1", "long", "--profile", "w1"])
     specs = peer.prepare(args, "call-1", tmp_path)
