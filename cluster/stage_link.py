@@ -58,6 +58,10 @@ class StageLink:
         self._sending = (dist.isend(hidden, self.next), hidden)
         return hidden.shape[0]
 
+    def close(self) -> None:
+        """Wait for the send in flight and let go of it: before the process group it runs in is destroyed."""
+        self._wait()
+
     def _wait(self) -> None:
         """Until the send in flight is done (with NCCL: the device's current stream waits for it)."""
         if self._sending is not None:

@@ -24,6 +24,7 @@ class WorkerActor:
         self.config = config
         self.worker: Worker | None = None
         self._groups: tuple | None = None  # (TP group, its gloo twin) once joined; None: not distributed
+        self._link: StageLink | None = None
         # This worker's CUDA device where it sees more than its own GPU: selected again in every call (``_select_device``)
         self._device: int | None = None
 
@@ -130,6 +131,8 @@ class WorkerActor:
 
     def close(self) -> None:
         self._select_device()
+        if self._link is not None:
+            self._link.close()
         if self.worker is not None:
             self.worker.close()
             self.worker = None
