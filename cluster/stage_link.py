@@ -8,6 +8,8 @@ receives nothing). The receive is queued before the stage applies its step's KV 
 both calls only queue work, so that host work overlaps the stage before's compute and the device waits for the
 rows. With gloo (CPU) the receive blocks, which changes nothing but the timing. A send is waited for at the next
 one: with gloo a blocking send would wait for the next stage's receive, which comes only after this stage's marker.
+The link is opened when the workers are set up (``connect``), not by the first step's send: NCCL creates a pair's
+communicator at their first send or receive, and both must be there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ class StageLink:
         """Ranks are pp-major: the same TP rank one stage away is ``tp_size`` ranks away."""
         stage = rank // tp_size
         return cls(rank - tp_size if stage > 0 else None, rank + tp_size if stage < pp_size - 1 else None)
+
+    def connect(self, device: torch.device) -> None:
+        """Open the link to both neighbours: every stage calls it at once, when the workers are set up. NCCL creates a
+        pair's communicator at their first point-to-point call and waits there for both. Left to the first step,
+        a stage's send would wait for a receive that the next stage posts only once this stage's marker arrived,
+        which comes after the send: both stages hung (2xH200, 2026-11-27)."""
+        token = torch.zeros(1, device=device)
+        if self.prev is not None:  # the stage before first: a middle stage's send waits for nothing downstream
+            dist.recv(token, self.prev)
+        if self.next is not None:
+            dist.send(token, self.next)
 
     def receive(self, step: StepInput, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """The stage before's hidden states for ``step``: a row per token of the step (None on the first stage, and

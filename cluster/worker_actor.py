@@ -52,6 +52,8 @@ class WorkerActor:
         group, cpu_group = self._groups or (None, None)  # set up again without joining: the groups joined before
         self.worker = Worker(cfg, tp_group=group, tp_cpu_group=cpu_group)
         self._link = link
+        if link is not None:
+            link.connect(self.worker.device)
         self._hidden_dtype = next(self.worker.model.parameters()).dtype
         # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
         self._hidden_device = self.worker.device if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
