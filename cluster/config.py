@@ -94,6 +94,11 @@ class EngineConfig:
     # (vLLM's spelling). True by default: the Ray GPU tests pass with it, but W1 at TP=2 through Ray took 2.90 s with
     # it against 2.70 s without on 2xH200 (docs/performance.md, "Two GPUs").
     disable_custom_all_reduce: bool = True
+    # How TP workers on one node reach each other's buffers for those sums: "node", each sees every GPU of its node's
+    # TP ranks (as vLLM's Ray workers do); "own", each sees only the GPU Ray lent it, and the buffers travel as CUDA
+    # shareable handles, as NCCL's P2P/CUMEM transport already does between these workers (2xH200). "node" until
+    # "own" is measured on GPUs: with "node" the peer sums slowed prefill steps 16% (docs/performance.md, "Two GPUs").
+    peer_memory_visibility: Literal["node", "own"] = "node"
     # > 0: with TP, a row-parallel product of at least this many rows (a prefill chunk) runs in two halves, the first
     # half's sum on NCCL while the second half is computed (``TPGroup.overlap_rows``); 0: one product, then its sum.
     # Off: W1 at TP=2 on 2xH200 was within noise with it (bench/throughput.py ``/overlap``, docs/performance.md).
@@ -273,6 +278,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or pp == 1):
         raise ValueError(f"pipeline_micro_batches must be None or an int >= 1 with pipeline_parallel_size > 1, got "
                          f"{micro!r} with pipeline_parallel_size={pp}")
+    if config.peer_memory_visibility not in ("node", "own"):
+        raise ValueError(f"peer_memory_visibility must be 'node' or 'own', got {config.peer_memory_visibility!r}")
     if config.pipeline_handoff not in ("channel", "p2p"):
         raise ValueError(f"pipeline_handoff must be 'channel' or 'p2p', got {config.pipeline_handoff!r}")
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,

@@ -157,11 +157,13 @@ class RayExecutor:
         init = ray.get(self._actors[0].address.remote()) if tp > 1 or p2p else None
         stages = [list(range(p * tp, (p + 1) * tp)) for p in range(self.plan.config.pipeline_parallel_size)]
         try:
-            # TP ranks see every GPU of their node's workers (the peer-memory all-reduce maps its peers' buffers)
-            peers = gpu and tp > 1 and not self.plan.config.disable_custom_all_reduce
+            # TP ranks see every GPU of their node's workers where the peer-memory all-reduce maps its peers' buffers
+            # that way (``peer_memory_visibility="node"``)
+            c = self.plan.config
+            peers = gpu and tp > 1 and not c.disable_custom_all_reduce and c.peer_memory_visibility == "node"
             gpus = ray.get([a.gpu.remote() for a in self._actors]) if peers else [("", "")] * world
             node_gpus = [tuple(g for n, g in gpus if n == node) for node, _ in gpus]
-            pp = self.plan.config.pipeline_parallel_size
+            pp = c.pipeline_parallel_size
             ray.get([a.setup.remote(init, rank, world, stages, node_gpus[rank], StageLink.between(rank, tp, pp) if p2p else None)
                      for rank, a in enumerate(self._actors)])
             if not self.plan.is_sized:  # every worker's weights are in: the pools take a share of what is left

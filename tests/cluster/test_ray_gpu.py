@@ -34,13 +34,15 @@ def gpus():
 
 
 PEER = dict(disable_custom_all_reduce=False)  # TP's small sums through peer memory (float32 sums: exact, as NCCL's)
+# the same, each worker seeing its own GPU only (the buffers exchanged as CUDA shareable handles)
+PEER_OWN = PEER | dict(peer_memory_visibility="own")
 P2P = dict(pipeline_handoff="p2p")  # the stages hand hidden states on themselves (cluster/stage_link.py)
 
 
 @pytest.mark.parametrize(("tp", "pp", "layout", "numerics"), [
     (1, 1, "mega", BF16), (1, 1, "paged", BF16), (2, 1, "mega", FP32), (1, 2, "per_layer", FP32), (2, 1, "paged", FP32),
     (2, 2, "mega", FP32), (2, 1, "mega", FP32 | PEER), (2, 2, "mega", FP32 | PEER), (1, 2, "mega", FP32 | P2P),
-    (2, 2, "mega", FP32 | P2P),
+    (2, 2, "mega", FP32 | P2P), (2, 1, "mega", FP32 | PEER_OWN),
 ])
 def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, tp, pp, layout, numerics):
     if tp * pp > gpus:
