@@ -15,7 +15,8 @@ peer. The floor is measured in the same call. Results of another call, or of oth
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
-``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size).
+``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size;
+``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-peerown``: with ``--tp N``, small sums through peer memory).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ VATTN_SIDES = {
     "vattn-tilesall": {},  # FA3's decode tiles at every batch size, not flash-attn's kernel past 256 sequences
     # One GPU, through Ray as the TP sides run, beside ``--tp N``'s: what N GPUs gain, in the call that measures vLLM
     "vattn-tp1": {"tensor_parallel_size": 1},
+    # With ``--tp N``: small sums through peer memory, each worker seeing only its own GPU (worker/peer_all_reduce.py)
+    "vattn-peerown": {"disable_custom_all_reduce": False, "peer_memory_visibility": "own"},
 }
 VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
                   "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)}}
@@ -392,6 +395,8 @@ def compare(results: list[SideResult], floor: dict | None) -> tuple[list[str], l
         ratios[name] = {"vattn_over_vllm": ratio, "means_s": means, "walls_s": {lab: walls[(name, lab)] for lab in means},
                         "prefix_hit_rate": {lab: statistics.mean(hits[(name, lab)]) for lab in means if (name, lab) in hits},
                         "best_vllm": min(peers, key=peers.get) if peers else None}
+        if best:  # every vattn side's, for the modes measured against the defaults
+            ratios[name]["over_best_vllm"] = {lab: t / best for lab, t in means.items() if lab.startswith("vattn")}
         if "vattn" in means and "vattn-tp1" in means:  # what --tp N GPUs gain over one (issue 26's targets)
             ratios[name]["vattn_over_vattn_tp1"] = means["vattn"] / means["vattn-tp1"]
         fl = f["total_s"] if f else None
