@@ -468,8 +468,11 @@ def describe(steps: dict) -> list[str]:
             if (b := kinds[kind]).get("steps"):
                 cats = "  ".join(f"{k} {v:.2f}" for k, v in b["by_category_ms"].items())
                 lag = kinds.get("decode_start_after_rank0_ms") if kind == "decode" else None
+                maps = b.get("map_ahead_ms", 0) + b.get("map_wait_ms", 0)
                 lines.append(f"{label} {kind} step ({b['steps']}): kernels {b['kernel_ms']:.2f} ms, device span "
                              f"{b['device_span_ms'] or 0:.2f} ms, host {b['host_ms']:.2f} ms"
+                             + (f" (mapping beside it {b['map_ahead_ms']:.2f} ms, waited for {b['map_wait_ms']:.2f} ms)"
+                                if maps else "")
                              + (f", starting {lag:.2f} ms after rank 0's" if lag is not None else "") + f": {cats}")
     return lines
 

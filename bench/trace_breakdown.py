@@ -67,6 +67,10 @@ class Step:
     by_category: dict[str, float] = field(default_factory=dict)
     by_kernel: dict[str, float] = field(default_factory=dict)
     launches: int = 0
+    # host time within the step's range that the KV mapper spent mapping beside it (its own thread) and that the
+    # step's thread waited for mapping (kvmem/mapper.py's ranges; vLLM's traces have none)
+    map_ahead_us: float = 0.0
+    map_wait_us: float = 0.0
 
 
 def load(path: Path) -> list[dict]:
@@ -100,6 +104,15 @@ def steps(events: list[dict], match: str) -> list[Step]:
         step.by_category[cat] = step.by_category.get(cat, 0.0) + dur
         step.by_kernel[e["name"]] = step.by_kernel.get(e["name"], 0.0) + dur
         spans.setdefault(i, []).append((ts, ts + dur))
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in ("kvmem_map_ahead", "kvmem_map_wait"):
+            a, b = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            for step in found[max(bisect.bisect_right(starts, a) - 1, 0):bisect.bisect_right(starts, b)]:
+                overlap = min(b, step.start_us + step.host_us) - max(a, step.start_us)
+                if overlap > 0 and e["name"] == "kvmem_map_ahead":
+                    step.map_ahead_us += overlap
+                elif overlap > 0:
+                    step.map_wait_us += overlap
     for i, intervals in spans.items():
         found[i].kernel_us = union(intervals)
         found[i].first_kernel_us = min(s for s, _ in intervals)
@@ -139,6 +152,8 @@ def summarize(selected: list[Step], top: int = 8) -> dict:
         "host_ms": sum(s.host_us for s in selected) / n / 1e3,
         "device_span_ms": sum(gaps) / len(gaps) / 1e3 if gaps else None,
         "launches": sum(s.launches for s in selected) / n,
+        "map_ahead_ms": sum(s.map_ahead_us for s in selected) / n / 1e3,
+        "map_wait_ms": sum(s.map_wait_us for s in selected) / n / 1e3,
         "by_category_ms": {k: v / n / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": [(k[:160], v / n / 1e3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]],
     }

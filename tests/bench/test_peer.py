@@ -109,10 +109,11 @@ def test_kernels_are_put_in_categories():
     assert trace_breakdown.category("void c10d::symmetric_memory::one_shot_all_reduce_kernel<bf16>") == "all-reduce"
 
 
-def synthetic_trace(path: Path, steps: list[tuple[str, float]], kernel_after_us: float) -> str:
+def synthetic_trace(path: Path, steps: list[tuple[str, float]], kernel_after_us: float,
+                    maps: tuple[tuple[str, float, float], ...] = ()) -> str:
     """A Chrome trace of ``steps`` (name, start in us): each launches one 100-us attention kernel
-    ``kernel_after_us`` after it starts."""
-    events = []
+    ``kernel_after_us`` after it starts; ``maps``: the KV mapper's ranges (name, start, duration)."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur} for name, ts, dur in maps]
     for i, (name, ts) in enumerate(steps):
         events += [{"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": 50},
                    {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts + 10, "dur": 5,
@@ -136,6 +137,19 @@ def test_a_breakdown_per_rank_says_how_late_each_rank_starts_its_decode_steps(tm
         "vattn decode step (4): kernels 0.10 ms, device span 1.00 ms, host 0.05 ms: attention 0.10",
         "vattn rank 1 decode step (4): kernels 0.10 ms, device span 1.00 ms, host 0.05 ms, starting 0.50 ms after "
         "rank 0's: attention 0.10"]
+
+
+def test_a_breakdown_says_how_long_the_kv_mapper_ran_beside_each_step_and_was_waited_for(tmp_path):
+    steps = [("vattn_step_prefill(0)_decode(2)_seqs(2)", 1000.0 * i) for i in range(5)]
+    # mapping from 20 us to 80 us: 30 us inside step 0's host range (0-50 us), none in step 1's; step 1 waited 20 us
+    maps = (("kvmem_map_ahead", 20.0, 60.0), ("kvmem_map_wait", 1010.0, 20.0))
+    result = SideResult("c", "vattn", "vattn", "H200", {}, {}, profile_traces=[
+        synthetic_trace(tmp_path / "rank0.json", steps, 20, maps)])
+    decode = peer.breakdowns([result], requests=2)["vattn"]["decode"]
+    assert (decode["map_ahead_ms"], decode["map_wait_ms"]) == (pytest.approx(0.030 / 4), pytest.approx(0.020 / 4))
+    assert peer.describe({"vattn": {"prefill": {}, "decode": decode}}) == [
+        "vattn decode step (4): kernels 0.10 ms, device span 1.00 ms, host 0.05 ms (mapping beside it 0.01 ms, waited "
+        "for 0.01 ms): attention 0.10"]
 
 
 def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):

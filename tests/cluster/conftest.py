@@ -65,9 +65,9 @@ def write_hf_model(kind: str, tmp_path_factory):
     return str(path), prompts, expected
 
 
-def step_ranges(trace: str) -> list[str]:
-    """The step ranges of a worker's trace, in time order."""
+def step_ranges(trace: str, prefix: str = "vattn_step_") -> list[str]:
+    """The step ranges (or other ranges named ``prefix...``) of a worker's trace, in time order."""
     with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
-    return [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("name", "").startswith("vattn_step_")]
+    return [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("name", "").startswith(prefix)]
 

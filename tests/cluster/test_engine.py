@@ -759,5 +759,7 @@ def test_a_profile_records_each_step_as_a_range_named_after_what_it_runs(llm, tm
     steps = [s for s in step_ranges(str(tmp_path / "vattn_pp0_tp0.pt.trace.json.gz")) if not s.endswith("_seqs(0)")]
     assert steps == [
         "vattn_step_prefill(8)_decode(0)_seqs(2)"] + ["vattn_step_prefill(0)_decode(2)_seqs(2)"] * 2
+    # the mapper thread's work is there too, to set beside the launches its driver calls can hold up
+    assert "kvmem_map_ahead" in step_ranges(str(tmp_path / "vattn_pp0_tp0.pt.trace.json.gz"), "kvmem_map")
     with pytest.raises(RuntimeError, match="not recording"):
         llm.stop_profile()
