@@ -473,7 +473,9 @@ def describe(steps: dict) -> list[str]:
                              f"{b['device_span_ms'] or 0:.2f} ms, host {b['host_ms']:.2f} ms"
                              + (f" (mapping beside it {b['map_ahead_ms']:.2f} ms, waited for {b['map_wait_ms']:.2f} ms)"
                                 if maps else "")
-                             + (f", starting {lag:.2f} ms after rank 0's" if lag is not None else "") + f": {cats}")
+                             + (f", starting {lag:.2f} ms after rank 0's" if lag is not None else "") + f": {cats}"
+                             + ("; host: " + "  ".join(f"{k} {v:.2f}" for k, v in b["phases_ms"].items())
+                                if b.get("phases_ms") else ""))
     return lines
 
 

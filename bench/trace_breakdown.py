@@ -71,6 +71,8 @@ class Step:
     # step's thread waited for mapping (kvmem/mapper.py's ranges; vLLM's traces have none)
     map_ahead_us: float = 0.0
     map_wait_us: float = 0.0
+    # the launch's own parts on the host (``vattn_phase_<name>`` ranges inside the step's range: Worker._launch)
+    phases_us: dict[str, float] = field(default_factory=dict)
 
 
 def load(path: Path) -> list[dict]:
@@ -105,6 +107,11 @@ def steps(events: list[dict], match: str) -> list[Step]:
         step.by_kernel[e["name"]] = step.by_kernel.get(e["name"], 0.0) + dur
         spans.setdefault(i, []).append((ts, ts + dur))
     for e in events:
+        if e.get("ph") == "X" and e.get("name", "").startswith("vattn_phase_"):
+            i = bisect.bisect_right(starts, float(e["ts"])) - 1
+            if i >= 0 and float(e["ts"]) <= found[i].start_us + found[i].host_us:
+                name = e["name"].removeprefix("vattn_phase_")
+                found[i].phases_us[name] = found[i].phases_us.get(name, 0.0) + float(e["dur"])
         if e.get("ph") == "X" and e.get("name") in ("kvmem_map_ahead", "kvmem_map_wait"):
             a, b = float(e["ts"]), float(e["ts"]) + float(e["dur"])
             for step in found[max(bisect.bisect_right(starts, a) - 1, 0):bisect.bisect_right(starts, b)]:
@@ -154,6 +161,8 @@ def summarize(selected: list[Step], top: int = 8) -> dict:
         "launches": sum(s.launches for s in selected) / n,
         "map_ahead_ms": sum(s.map_ahead_us for s in selected) / n / 1e3,
         "map_wait_ms": sum(s.map_wait_us for s in selected) / n / 1e3,
+        "phases_ms": {k: sum(s.phases_us.get(k, 0.0) for s in selected) / n / 1e3
+                      for k in dict.fromkeys(k for s in selected for k in s.phases_us)},
         "by_category_ms": {k: v / n / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": [(k[:160], v / n / 1e3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]],
     }

@@ -79,6 +79,13 @@ class StepProfiler:
             return contextlib.nullcontext()
         return record_function(step_name(step))
 
+    def phase(self, name: str):
+        """A range ``vattn_phase_<name>`` around a part of a step's launch while recording (the host work between
+        the kernels' launches, which the trace shows as no op at all otherwise); nothing otherwise."""
+        if self._profile is None:
+            return contextlib.nullcontext()
+        return record_function(f"vattn_phase_{name}")
+
 
 def _started() -> profile:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

@@ -223,7 +223,8 @@ class Worker:
         try:
             # Mapping waited for: the mapper's plan for the step before (its ensures must not race the operations
             # below), and pages mapped here that it did not map ahead.
-            waited = self.mapper.wait(self._in_flight.ahead, record=False) if self._in_flight is not None else 0.0
+            with self.profiler.phase("map_wait"):
+                waited = self.mapper.wait(self._in_flight.ahead, record=False) if self._in_flight is not None else 0.0
             fence = prev.queued if prev is not None else None
             if fence is not None and any(not isinstance(op, UNFENCED) for op in step.kv_ops):
                 # A swapped or shared slot is copied or remapped at once: only once no queued kernel reads it.
@@ -239,19 +240,22 @@ class Worker:
             maps, fenced, started = self.cache.counters()[0], self.cache.fence_wait_seconds(), time.perf_counter()
             # A freed slot is not waited for here: the queued step (which may still read it) fences its pages,
             # and only a reclaim that unmaps them waits -- most steps free a slot once requests come and go.
-            apply_ops(self.cache, step.kv_ops, self.swap, fence)
+            with self.profiler.phase("kv_ops"):
+                apply_ops(self.cache, step.kv_ops, self.swap, fence)
             if self.cache.counters()[0] != maps:
                 # Waiting for the queued step to finish is no stall (the device is busy); mapping after it is.
                 waited += time.perf_counter() - started - (self.cache.fence_wait_seconds() - fenced)
             if waited and not (prev is not None and prev.running):  # a step still running hid the wait
                 self.cache.add_stall(waited)
                 logger.debug("step %d: %.3f ms stall mapping in the step", step.step, 1e3 * waited)
-            plan = self._plan(step, prev)
+            with self.profiler.phase("plan"):
+                plan = self._plan(step, prev)
         except Exception as exc:  # e.g. KVCacheExhausted: this cache and the ledger disagree
             error = exc
         # A rank that failed here would leave its TP peers waiting in the layers' all-reduces forever:
         # the ranks agree first, and all of them raise together.
-        failed = self.tp.failed_rank(error is not None, self.device)
+        with self.profiler.phase("tp_agree"):
+            failed = self.tp.failed_rank(error is not None, self.device)
         if failed is not None:
             c = self.config
             raise error or PeerFailed(f"TP rank {failed} of stage {c.pp_rank} failed step {step.step} (its log has why); "
@@ -260,7 +264,8 @@ class Worker:
             return PendingOutput(step.step, None, None)
         ahead = self.mapper.submit(MappingPlan(step.ahead))
         try:
-            launched = self.runner.launch(plan, inputs)
+            with self.profiler.phase("queue"):
+                launched = self.runner.launch(plan, inputs)
         except BaseException:
             self.mapper.wait(ahead)
             raise

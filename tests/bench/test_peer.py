@@ -139,17 +139,19 @@ def test_a_breakdown_per_rank_says_how_late_each_rank_starts_its_decode_steps(tm
         "rank 0's: attention 0.10"]
 
 
-def test_a_breakdown_says_how_long_the_kv_mapper_ran_beside_each_step_and_was_waited_for(tmp_path):
+def test_a_breakdown_says_how_long_the_kv_mapper_ran_beside_each_step_and_the_launch_s_parts_took(tmp_path):
     steps = [("vattn_step_prefill(0)_decode(2)_seqs(2)", 1000.0 * i) for i in range(5)]
     # mapping from 20 us to 80 us: 30 us inside step 0's host range (0-50 us), none in step 1's; step 1 waited 20 us
-    maps = (("kvmem_map_ahead", 20.0, 60.0), ("kvmem_map_wait", 1010.0, 20.0))
+    maps = (("kvmem_map_ahead", 20.0, 60.0), ("kvmem_map_wait", 1010.0, 20.0), ("vattn_phase_kv_ops", 1005.0, 8.0),
+            ("vattn_phase_kv_ops", 2005.0, 4.0), ("vattn_phase_plan", 2010.0, 4.0))
     result = SideResult("c", "vattn", "vattn", "H200", {}, {}, profile_traces=[
         synthetic_trace(tmp_path / "rank0.json", steps, 20, maps)])
     decode = peer.breakdowns([result], requests=2)["vattn"]["decode"]
     assert (decode["map_ahead_ms"], decode["map_wait_ms"]) == (pytest.approx(0.030 / 4), pytest.approx(0.020 / 4))
+    assert decode["phases_ms"] == {"kv_ops": pytest.approx(0.012 / 4), "plan": pytest.approx(0.004 / 4)}
     assert peer.describe({"vattn": {"prefill": {}, "decode": decode}}) == [
         "vattn decode step (4): kernels 0.10 ms, device span 1.00 ms, host 0.05 ms (mapping beside it 0.01 ms, waited "
-        "for 0.01 ms): attention 0.10"]
+        "for 0.01 ms): attention 0.10; host: kv_ops 0.00  plan 0.00"]
 
 
 def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):

@@ -761,5 +761,8 @@ def test_a_profile_records_each_step_as_a_range_named_after_what_it_runs(llm, tm
         "vattn_step_prefill(8)_decode(0)_seqs(2)"] + ["vattn_step_prefill(0)_decode(2)_seqs(2)"] * 2
     # the mapper thread's work is there too, to set beside the launches its driver calls can hold up
     assert "kvmem_map_ahead" in step_ranges(str(tmp_path / "vattn_pp0_tp0.pt.trace.json.gz"), "kvmem_map")
+    # and the launch's parts on the host, between its kernels' launches
+    phases = set(step_ranges(str(tmp_path / "vattn_pp0_tp0.pt.trace.json.gz"), "vattn_phase_"))
+    assert phases == {f"vattn_phase_{p}" for p in ("map_wait", "kv_ops", "plan", "tp_agree", "queue")}
     with pytest.raises(RuntimeError, match="not recording"):
         llm.stop_profile()
