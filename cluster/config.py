@@ -364,7 +364,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                      kv_guard_tokens=config.kv_guard_tokens if config.zero_unmapped else None,
                      seed=config.seed, progress=config.progress,
                      load_format=config.load_format, fills_placeholders=overlap, deterministic=config.deterministic,
-                     custom_all_reduce=not config.disable_custom_all_reduce, tp_overlap_rows=config.tp_overlap_rows)
+                     custom_all_reduce=not config.disable_custom_all_reduce, tp_overlap_rows=config.tp_overlap_rows,
+                     warm_rows=config.max_num_batched_tokens)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]

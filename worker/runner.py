@@ -153,6 +153,31 @@ class LaunchedStep:
         return StepOutput(sampled, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs)
 
 
+def warm_row_counts(max_rows: int) -> list[int]:
+    """Row counts from 16 up to ``max_rows`` (included), each 1.25x the one before."""
+    counts, rows = [], 16.0
+    while round(rows) < max_rows:
+        counts.append(round(rows))
+        rows *= 1.25
+    return [*counts, max_rows]
+
+
+@torch.inference_mode()
+def warm_projections(layers: torch.nn.Module, max_rows: int) -> int:
+    """Run each distinct projection shape of ``layers`` (a shard's QKV, output, gate/up and down products) once at
+    each of ``warm_row_counts(max_rows)``; the products run. cuBLAS loads the kernel it picks for a row count the
+    first time one needs it: an eager step that met a new one held its launch 91 ms on 2xH200 (a QKV projection of
+    1,138 rows) while the device ran dry, and a server meets ever new prefill sizes. Only the products, no sums:
+    the TP ranks need not be in step here."""
+    weights = {(m.weight.shape, m.weight.dtype): m.weight for m in layers.modules() if isinstance(m, torch.nn.Linear)}
+    counts = warm_row_counts(max_rows)
+    for weight in weights.values():
+        x = torch.zeros(max_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        for rows in counts:
+            torch.nn.functional.linear(x[:rows], weight)
+    return len(weights) * len(counts)
+
+
 class ModelRunner:
     """One shard's model and KV cache on one device."""
 
@@ -166,11 +191,13 @@ class ModelRunner:
         scratch_slot: int | None = None,
         samples: bool = True,
         tp: TPGroup = TPGroup(),
+        warm_rows: int = 0,
     ):
         """``graph_batch`` > 0: decode steps of up to that many sequences replay CUDA graphs (CUDA, a
         backend that does not gather; ``tp``: this rank's group, whose ranks capture theirs in lock-step; a pipeline
         stage its own layers); padding rows use ``scratch_slot``, a slot the caller holds with one token backed.
-        ``samples=False``: a TP rank whose peer samples."""
+        ``samples=False``: a TP rank whose peer samples. ``warm_rows`` > 0 (CUDA): the layers' projections run once at
+        row counts up to it (``warm_projections``: a step's most tokens)."""
         self.model = model
         self.cache = cache
         self.backend = backend
@@ -189,6 +216,8 @@ class ModelRunner:
         self._pads = self.device.type == "cuda" and model.is_last and samples
         if self._pads:
             self._warm_logits()
+        if self.device.type == "cuda" and warm_rows:
+            warm_projections(model.layers, warm_rows)
 
     @torch.inference_mode()
     def _warm_logits(self) -> None:

@@ -75,6 +75,7 @@ class WorkerConfig:
     deterministic: bool = False  # batch-invariant matmuls and all-reduce (the plan picks the invariant attention)
     custom_all_reduce: bool = True  # TP on GPUs: small sums through peer memory (``PeerAllReduce``) where it works
     tp_overlap_rows: int = 0  # ``TPGroup.overlap_rows``
+    warm_rows: int = 0  # > 0 (CUDA): the projections run at row counts up to this at start (``warm_projections``)
 
 
 class Worker:
@@ -134,7 +135,8 @@ class Worker:
                                         guard_tokens=c.kv_guard_tokens)
         try:
             self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
-                                      c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders, tp=self.tp)
+                                      c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders, tp=self.tp,
+                                      warm_rows=0 if c.deterministic else c.warm_rows)
             self.swap = SwapSpace(self.cache) if c.swap else None
             self.mapper = AsyncMapper(self.cache)
         except BaseException:
