@@ -165,7 +165,7 @@ def warm_row_counts(max_rows: int) -> list[int]:
 @torch.inference_mode()
 def warm_projections(layers: torch.nn.Module, max_rows: int) -> int:
     """Run each distinct projection shape of ``layers`` (a shard's QKV, output, gate/up and down products) once at
-    each of ``warm_row_counts(max_rows)``; the products run. cuBLAS loads the kernel it picks for a row count the
+    each of ``warm_row_counts(max_rows)``; how many products ran. cuBLAS loads the kernel it picks for a row count the
     first time one needs it: an eager step that met a new one held its launch 91 ms on 2xH200 (a QKV projection of
     1,138 rows) while the device ran dry, and a server meets ever new prefill sizes. Only the products, no sums:
     the TP ranks need not be in step here."""
