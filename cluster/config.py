@@ -365,7 +365,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                      seed=config.seed, progress=config.progress,
                      load_format=config.load_format, fills_placeholders=overlap, deterministic=config.deterministic,
                      custom_all_reduce=not config.disable_custom_all_reduce, tp_overlap_rows=config.tp_overlap_rows,
-                     warm_rows=config.max_num_batched_tokens)
+                     warm_rows=0 if config.deterministic else config.max_num_batched_tokens)  # its own matmuls
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]

@@ -75,16 +75,16 @@ class StepProfiler:
 
     def step(self, step: StepInput):
         """A range around ``step``'s launch while recording; nothing otherwise (one attribute check)."""
-        if self._profile is None:
-            return contextlib.nullcontext()
-        return record_function(step_name(step))
+        return self._range(step_name, step)
 
     def phase(self, name: str):
         """A range ``vattn_phase_<name>`` around a part of a step's launch while recording (the host work between
         the kernels' launches, which the trace shows as no op at all otherwise); nothing otherwise."""
-        if self._profile is None:
-            return contextlib.nullcontext()
-        return record_function(f"vattn_phase_{name}")
+        return self._range("vattn_phase_{}".format, name)
+
+    def _range(self, named, what):
+        """``record_function(named(what))`` while recording; the name is made only then."""
+        return contextlib.nullcontext() if self._profile is None else record_function(named(what))
 
 
 def _started() -> profile:

@@ -136,7 +136,7 @@ class Worker:
         try:
             self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
                                       c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders, tp=self.tp,
-                                      warm_rows=0 if c.deterministic else c.warm_rows)
+                                      warm_rows=c.warm_rows)
             self.swap = SwapSpace(self.cache) if c.swap else None
             self.mapper = AsyncMapper(self.cache)
         except BaseException:
