@@ -16,7 +16,8 @@ Every timed run starts from an empty prefix cache in both engines; ``prefix`` an
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
 ``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size;
-``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-peerown``: with ``--tp N``, small sums through peer memory).
+``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
+peer memory).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ VATTN_SIDES = {
     "vattn-tilesall": {},  # FA3's decode tiles at every batch size, not flash-attn's kernel past 256 sequences
     # One GPU, through Ray as the TP sides run, beside ``--tp N``'s: what N GPUs gain, in the call that measures vLLM
     "vattn-tp1": {"tensor_parallel_size": 1},
-    # With ``--tp N``: small sums through peer memory, each worker seeing only its own GPU (worker/peer_all_reduce.py)
-    "vattn-peerown": {"disable_custom_all_reduce": False, "peer_memory_visibility": "own"},
+    # With ``--tp N``: every sum on NCCL, not the small ones through peer memory (worker/peer_all_reduce.py)
+    "vattn-nccl": {"disable_custom_all_reduce": True},
 }
 VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
                   "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)}}

@@ -121,24 +121,21 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     """``run`` is a KV layout, ``layout:attention`` for another backend than the layout's default, and
     ``...@ray`` for the Ray engine (a scheduler actor over worker actors; ``model`` a preset name), with
     ``/tpN`` and ``/ppN`` for tensor and pipeline parallelism (``mega@ray/tp2``); ``/sync`` and ``/async``
-    turn async scheduling off or on (default: the engine's), ``/eager`` CUDA graphs off, ``/graphs`` on, ``/peer``
-    TP's small sums through peer memory (``disable_custom_all_reduce=False``; ``/peerown`` with each worker seeing its
-    own GPU only, ``peer_memory_visibility="own"``), ``/overlap`` prefill products of 2048
-    rows or more in halves whose sums overlap (``tp_overlap_rows=2048``), ``/mbN`` N micro-batches in flight with
-    pipeline stages (``pipeline_micro_batches``), ``/p2p`` the stages' own hand-off (``pipeline_handoff="p2p"``);
-    ``#k`` names a repeat. The warm-up runs every
-    prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
+    turn async scheduling off or on (default: the engine's), ``/eager`` CUDA graphs off, ``/graphs`` on, ``/nccl``
+    every TP sum on NCCL, none through peer memory (``disable_custom_all_reduce=True``), ``/overlap`` prefill
+    products of 2048 rows or more in halves whose sums overlap (``tp_overlap_rows=2048``), ``/mbN`` N
+    micro-batches in flight with pipeline stages (``pipeline_micro_batches``), ``/p2p`` the stages' own hand-off
+    (``pipeline_handoff="p2p"``); ``#k`` names a repeat. The warm-up runs every prompt's first ``warmup_tokens``;
+    ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
     graphs = False if "/eager" in name else True if "/graphs" in name else None
-    parallel = {"disable_custom_all_reduce": False} if "/peer" in name else {}
-    if "/peerown" in name:
-        parallel["peer_memory_visibility"] = "own"
+    parallel = {"disable_custom_all_reduce": True} if "/nccl" in name else {}
     if "/overlap" in name:
         parallel["tp_overlap_rows"] = 2048
     if "/p2p" in name:
         parallel["pipeline_handoff"] = "p2p"
-    for mode in ("/sync", "/async", "/eager", "/graphs", "/peerown", "/peer", "/overlap", "/p2p"):
+    for mode in ("/sync", "/async", "/eager", "/graphs", "/nccl", "/overlap", "/p2p"):
         name = name.replace(mode, "")
     spec, _, where = name.partition("@")
     layout, _, attention = spec.partition(":")

@@ -90,15 +90,11 @@ class EngineConfig:
     # or not: batch-invariant matmuls, attention ("invariant") and all-reduce (docs/deterministic.md).
     deterministic: bool = False
     # False: TP on GPUs sums decode steps' partial results through peer memory, one kernel each
-    # (worker/peer_all_reduce.py; 0.2-0.7 ms less of a 9 ms TP=2 decode step in graphs on 2xH200); True: NCCL for every sum
-    # (vLLM's spelling). True by default: the Ray GPU tests pass with it, but W1 at TP=2 through Ray took 2.90 s with
-    # it against 2.70 s without on 2xH200 (docs/performance.md, "Two GPUs").
-    disable_custom_all_reduce: bool = True
-    # How TP workers on one node reach each other's buffers for those sums: "node", each sees every GPU of its node's
-    # TP ranks (as vLLM's Ray workers do); "own", each sees only the GPU Ray lent it, and the buffers travel as CUDA
-    # shareable handles, as NCCL's P2P/CUMEM transport already does between these workers (2xH200). "node" until
-    # "own" is measured on GPUs: with "node" the peer sums slowed prefill steps 16% (docs/performance.md, "Two GPUs").
-    peer_memory_visibility: Literal["node", "own"] = "node"
+    # (worker/peer_all_reduce.py), the TP workers of a node each seeing all of that node's TP GPUs, as vLLM's Ray
+    # workers do; True: NCCL for every sum (vLLM's spelling and default). On 2xH200, W1 at TP=2 in one call took
+    # 3.23 / 3.22 s with peer memory against 3.43 / 3.24 s on NCCL, decode steps 6.97 / 6.96 ms against 7.75 / 7.11
+    # (docs/performance.md, "Two GPUs").
+    disable_custom_all_reduce: bool = False
     # > 0: with TP, a row-parallel product of at least this many rows (a prefill chunk) runs in two halves, the first
     # half's sum on NCCL while the second half is computed (``TPGroup.overlap_rows``); 0: one product, then its sum.
     # Off: W1 at TP=2 on 2xH200 was within noise with it (bench/throughput.py ``/overlap``, docs/performance.md).
@@ -278,8 +274,6 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or pp == 1):
         raise ValueError(f"pipeline_micro_batches must be None or an int >= 1 with pipeline_parallel_size > 1, got "
                          f"{micro!r} with pipeline_parallel_size={pp}")
-    if config.peer_memory_visibility not in ("node", "own"):
-        raise ValueError(f"peer_memory_visibility must be 'node' or 'own', got {config.peer_memory_visibility!r}")
     if config.pipeline_handoff not in ("channel", "p2p"):
         raise ValueError(f"pipeline_handoff must be 'channel' or 'p2p', got {config.pipeline_handoff!r}")
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,

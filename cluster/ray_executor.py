@@ -157,10 +157,11 @@ class RayExecutor:
         init = ray.get(self._actors[0].address.remote()) if tp > 1 or p2p else None
         stages = [list(range(p * tp, (p + 1) * tp)) for p in range(self.plan.config.pipeline_parallel_size)]
         try:
-            # TP ranks see every GPU of their node's workers where the peer-memory all-reduce maps its peers' buffers
-            # that way (``peer_memory_visibility="node"``)
+            # TP ranks see every GPU of their node's workers where the peer-memory all-reduce maps its peers' buffers:
+            # torch's symmetric memory refuses ranks that each see their GPU as device 0
+            # (tests/worker/test_peer_all_reduce.py)
             c = self.plan.config
-            peers = gpu and tp > 1 and not c.disable_custom_all_reduce and c.peer_memory_visibility == "node"
+            peers = gpu and tp > 1 and not c.disable_custom_all_reduce
             gpus = ray.get([a.gpu.remote() for a in self._actors]) if peers else [("", "")] * world
             node_gpus = [tuple(g for n, g in gpus if n == node) for node, _ in gpus]
             pp = c.pipeline_parallel_size

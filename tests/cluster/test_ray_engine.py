@@ -375,7 +375,6 @@ def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
         (dict(pipeline_micro_batches=3), "pipeline_micro_batches must be None or an int >= 1 with "
                                          "pipeline_parallel_size > 1, got 3 with pipeline_parallel_size=1"),
         (dict(pipeline_handoff="nccl"), "pipeline_handoff must be 'channel' or 'p2p', got 'nccl'"),
-        (dict(peer_memory_visibility="all"), "peer_memory_visibility must be 'node' or 'own', got 'all'"),
         (dict(kv_memory_fraction=0), r"kv_memory_fraction must be a number in \(0, 1\], got 0"),
         (dict(kv_memory_fraction=1.5), r"kv_memory_fraction must be a number in \(0, 1\], got 1.5"),
     ],

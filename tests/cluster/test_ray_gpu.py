@@ -33,16 +33,15 @@ def gpus():
     ray.shutdown()
 
 
-PEER = dict(disable_custom_all_reduce=False)  # TP's small sums through peer memory (float32 sums: exact, as NCCL's)
-# the same, each worker seeing its own GPU only (the buffers exchanged as CUDA shareable handles)
-PEER_OWN = PEER | dict(peer_memory_visibility="own")
+# TP's sums go through peer memory by default (float32 sums: exact, as NCCL's); this puts every one on NCCL
+NCCL = dict(disable_custom_all_reduce=True)
 P2P = dict(pipeline_handoff="p2p")  # the stages hand hidden states on themselves (cluster/stage_link.py)
 
 
 @pytest.mark.parametrize(("tp", "pp", "layout", "numerics"), [
     (1, 1, "mega", BF16), (1, 1, "paged", BF16), (2, 1, "mega", FP32), (1, 2, "per_layer", FP32), (2, 1, "paged", FP32),
-    (2, 2, "mega", FP32), (2, 1, "mega", FP32 | PEER), (2, 2, "mega", FP32 | PEER), (1, 2, "mega", FP32 | P2P),
-    (2, 2, "mega", FP32 | P2P), (2, 1, "mega", FP32 | PEER_OWN),
+    (2, 2, "mega", FP32), (2, 1, "mega", FP32 | NCCL), (2, 2, "mega", FP32 | NCCL), (1, 2, "mega", FP32 | P2P),
+    (2, 2, "mega", FP32 | P2P),
 ])
 def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, tp, pp, layout, numerics):
     if tp * pp > gpus:
@@ -59,7 +58,7 @@ def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, tp, pp, layout, n
     assert got == want
     assert all(w.slots_in_use == (1 if graphs else 0) for w in snap.workers)  # the graphs' scratch slot only
     assert all(w.peak_mapped_bytes > 0 and w.busy_seconds > 0 for w in snap.workers)
-    assert all(w.peer_all_reduce == ("disable_custom_all_reduce" in numerics) for w in snap.workers)
+    assert all(w.peer_all_reduce == (tp > 1 and "disable_custom_all_reduce" not in numerics) for w in snap.workers)
 
 
 def test_a_kv_memory_fraction_sizes_the_gpu_workers_pools(gpus):
@@ -88,7 +87,7 @@ def test_two_gpus_decode_in_cuda_graphs_and_agree_with_eager(gpus, tp, pp):
     runs = {}
     for graphs in (False, True):
         with LLM("tiny", distributed="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp, attention="fa2",
-                 cuda_graphs=graphs, **BF16, **PEER, **KW) as llm:
+                 cuda_graphs=graphs, **BF16, **KW) as llm:
             runs[graphs] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
             # the graphs hold their scratch slot: on every rank when they are on
             assert all(w.slots_in_use == (1 if graphs else 0) for w in llm.snapshot().workers)

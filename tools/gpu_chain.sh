@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# A GPU session's chain of back-to-back device calls: vLLM's bundle (optional), FA3 and flash-attn built there, Ray
+# installed, then one background job (tools/gpu_background.sh) polled until it ends. What it carries lives in the
+# ignored .gpu/ and .sdist/, which a new checkout does not have: `prepare` downloads them here again (~2 min; ~10 with
+# --vllm). There, make every call right after the one before returns: the machine goes back ~30 s after a call, with
+# /tmp and the job in it (a job was lost that way on 2026-11-27, between the start and the first poll).
+#
+#   here, once:      tools/gpu_chain.sh prepare [--vllm]
+#   calls 1-4:       carry [".gpu/vllm/pK"]               bash tools/gpu_chain.sh vllm-part K      (with --vllm only)
+#   call 5:          carry [".sdist", ".gpu/vllm/p5"]     bash tools/gpu_chain.sh builds [pytest args]
+#                    (".gpu/vllm/p5" with --vllm only; the builds and vLLM's install run in the background, the GPU
+#                    tests named by the pytest args meanwhile, their log in $OUT)
+#   call 6:          carry [".gpu/ray1"]                  bash tools/gpu_chain.sh ray1
+#   call 7:          carry [".gpu/ray2", ".gpu/whl", ".gpu/pyspy"]
+#                                                         bash tools/gpu_chain.sh start '<job>'
+#   calls 8...:      bash tools/gpu_chain.sh poll 540     (timeout 580; until it says "finished"), then give_back
+#
+# The job runs in a copy of the repository with PYTHONPATH=$PWD:/tmp/raysite:/tmp/fa_build:/tmp/fa3 and NCCL's and
+# torch's multicast off, once both builds have ended; it writes under $BG_OUT. `step NAME SECONDS CMD...` in a job runs
+# one part with its output in $BG_OUT/NAME.log, and on a timeout saves py-spy stacks of every Python process first:
+#   bash tools/gpu_chain.sh start 'bash tools/gpu_chain.sh step w1 900 python3 bench/throughput.py ... --out $BG_OUT;
+#                                  bash tools/gpu_chain.sh step peer 1200 python3 bench/peer.py run ... --out $BG_OUT'
+# `poll` brings $BG_OUT and the job's log back as one file, $OUT/bg.tgz (the device returns at most 8 files).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+fa_sdist=flash_attn-2.8.3.post2.tar.gz
+fa3_src=fa3_hopper_v2.8.3.post1.tar.gz
+cutlass_src=cutlass_dc48179_include.tar.gz
+cutlass_rev=dc4817921edda44a549197ff3a9dcf5df0636e7b
+
+prepare() {
+  cd "$root" || exit 1
+  local moved=""
+  [ -d .gpu/vllm ] && [ "${1:-}" != --vllm ] && mv .gpu/vllm /tmp/gpu_chain_vllm.$$ && moved=1
+  ../shared/tools/gpu_ray_wheels.sh || exit 1  # starts with rm -rf .gpu
+  [ -n "$moved" ] && mv /tmp/gpu_chain_vllm.$$ .gpu/vllm
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+    --platform manylinux1_x86_64 py-spy -d .gpu/pyspy || exit 1
+  mkdir -p .sdist
+  # PyPI has only flash-attn's sdist, and `pip download` of it runs its setup.py, which wants torch: fetch the file.
+  if [ ! -f .sdist/$fa_sdist ]; then
+    url=$(curl -sf https://pypi.org/simple/flash-attn/ | grep -o "https://[^\"#]*$fa_sdist" | head -1)
+    curl -sfL -o .sdist/$fa_sdist "$url" || { echo "could not download $fa_sdist" >&2; exit 1; }
+  fi
+  # FlashAttention-3's hopper/ and CUTLASS's headers at flash-attention's pin, from the library's mirrors
+  # (`fetch github:Dao-AILab/flash-attention` and `fetch github:NVIDIA/cutlass` first).
+  local fa=/work/.mirror/Dao-AILab+flash-attention/repo cutlass=/work/.mirror/NVIDIA+cutlass/repo
+  [ -f .sdist/$fa3_src ] || git -C $fa archive --format=tar.gz --prefix=flash-attention-v2.8.3.post1/ v2.8.3.post1 \
+    hopper > .sdist/$fa3_src || { rm -f .sdist/$fa3_src; echo "fetch github:Dao-AILab/flash-attention first" >&2; exit 1; }
+  [ -f .sdist/$cutlass_src ] || git -C $cutlass archive --format=tar.gz --prefix=cutlass/ $cutlass_rev include \
+    > .sdist/$cutlass_src || { rm -f .sdist/$cutlass_src; echo "fetch github:NVIDIA/cutlass first" >&2; exit 1; }
+  if [ "${1:-}" = --vllm ] && [ ! -f .gpu/vllm/p5/SHA ]; then ../shared/tools/gpu_vllm_bundle.sh || exit 1; fi
+  du -sh .gpu/* .sdist
+}
+
+builds() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  if [ -d .gpu/vllm/p5 ]; then
+    [ -f /tmp/vc/part0 ] || { echo "vLLM's parts 1-4 are not in /tmp/vc: the machine went cold; start again" >&2; exit 3; }
+    cp .gpu/vllm/p5/* /tmp/vc/
+    (setsid nohup bash -c 'bash /tmp/vc/install.sh; echo $? > /tmp/vllm_install.rc' > /tmp/vllm_install.log 2>&1 &)
+  fi
+  mkdir -p /tmp/build && cp .sdist/* /tmp/build/
+  (setsid nohup python3 tools/build_flash_attn.py --sdist /tmp/build/$fa_sdist --out /tmp/fa_build --jobs 12 \
+    > /tmp/fa_build.log 2>&1 &)
+  (setsid nohup python3 tools/build_fa3.py --hopper /tmp/build/$fa3_src --cutlass /tmp/build/$cutlass_src \
+    --out /tmp/fa3 --jobs 16 > /tmp/fa3_build.log 2>&1 &)
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  if [ $# -gt 0 ]; then
+    PYTHONPATH=$PWD timeout 400 python3 -m pytest -q -s -rA "$@" > "${OUT:-/tmp}/gpu_tests.log" 2>&1
+    echo "pytest rc=$?"; tail -n 15 "${OUT:-/tmp}/gpu_tests.log"
+  fi
+}
+
+start() {
+  bash .gpu/ray2/install.sh || exit 3
+  python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/pyspy/*.whl
+  printf '%s\n' "$1" > /tmp/gpu_chain_job.sh  # a file: the job's own quotes stay as written
+  bash tools/gpu_background.sh start "bash tools/gpu_chain.sh job /tmp/gpu_chain_job.sh"
+}
+
+job() {  # in /tmp/bg/repo, started by `start`
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  export PYTHONPATH=$PWD:/tmp/raysite:/tmp/fa_build:/tmp/fa3
+  for _ in $(seq 300); do
+    grep -q "^built" /tmp/fa_build.log && grep -q "^built" /tmp/fa3_build.log \
+      && { [ ! -f /tmp/vc/install.sh ] || [ -f /tmp/vllm_install.rc ]; } && break
+    sleep 2
+  done
+  cp /tmp/fa_build.log /tmp/fa3_build.log "$BG_OUT"/ 2>/dev/null
+  python3 -c "import flash_attn, flash_attn_interface, ray" || { echo "the builds or Ray do not import" >&2; exit 4; }
+  echo "[$(date +%T)] builds and installs ready"
+  bash "$1"
+}
+
+step() {  # NAME SECONDS CMD...
+  local name=$1 limit=$2 pid rc; shift 2
+  echo "[$(date +%T)] start $name: $*"
+  setsid "$@" > "$BG_OUT/$name.log" 2>&1 & pid=$!
+  for _ in $(seq "$limit"); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  if kill -0 $pid 2>/dev/null; then
+    echo "[$(date +%T)] $name timed out after $limit s: stacks in $name.stacks.log"
+    for p in $(pgrep -f "[p]ython|ray::"); do
+      echo "== $p $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-200)"; timeout 20 /tmp/pyspy/bin/py-spy dump --pid "$p" 2>&1
+    done > "$BG_OUT/$name.stacks.log"
+    kill -- -$pid 2>/dev/null; rc=124
+  else
+    wait $pid; rc=$?
+  fi
+  # whatever Ray left behind ("[r]aylet": a plain word would match this command line too)
+  pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; pkill -9 -f "ray::"; sleep 2
+  echo "[$(date +%T)] end $name rc=$rc"; tail -n 6 "$BG_OUT/$name.log"
+  return $rc
+}
+
+poll() {
+  OUT_DIR=${OUT:-}
+  OUT='' bash tools/gpu_background.sh poll "${1:-540}"
+  [ -n "$OUT_DIR" ] && tar czf "$OUT_DIR/bg.tgz" -C /tmp/bg out log && ls -la "$OUT_DIR/bg.tgz"
+}
+
+cmd=${1:-}; shift || true
+case $cmd in
+  prepare) prepare "$@";;
+  vllm-part) mkdir -p /tmp/vc && cp .gpu/vllm/p"$1"/* /tmp/vc/ && ls /tmp/vc;;
+  builds) builds "$@";;
+  ray1) mkdir -p /tmp/vattn && cp .gpu/ray1/* /tmp/vattn/ && ls /tmp/vattn;;
+  start) start "$@";;
+  job) job "$@";;
+  step) step "$@";;
+  poll) poll "$@";;
+  *) sed -n 2,26p "$0"; exit 2;;
+esac
