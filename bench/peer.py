@@ -16,7 +16,8 @@ Every timed run starts from an empty prefix cache in both engines; ``prefix`` an
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
 ``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size;
-``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
+``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2``, ``vattn-pp2-p2p``: with ``--tp 2``, the two GPUs as
+pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
 peer memory).
 """
 
@@ -107,6 +108,9 @@ VATTN_SIDES = {
     "vattn-tilesall": {},  # FA3's decode tiles at every batch size, not flash-attn's kernel past 256 sequences
     # One GPU, through Ray as the TP sides run, beside ``--tp N``'s: what N GPUs gain, in the call that measures vLLM
     "vattn-tp1": {"tensor_parallel_size": 1},
+    # The same GPUs as pipeline stages, each a micro-batch in flight: the channel's hand-off, and the stages' own
+    "vattn-pp2": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
+    "vattn-pp2-p2p": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "pipeline_handoff": "p2p"},
     # With ``--tp N``: every sum on NCCL, not the small ones through peer memory (worker/peer_all_reduce.py)
     "vattn-nccl": {"disable_custom_all_reduce": True},
 }
@@ -398,8 +402,9 @@ def compare(results: list[SideResult], floor: dict | None) -> tuple[list[str], l
                         "best_vllm": min(peers, key=peers.get) if peers else None}
         if best:  # every vattn side's, for the modes measured against the defaults
             ratios[name]["over_best_vllm"] = {lab: t / best for lab, t in means.items() if lab.startswith("vattn")}
-        if "vattn" in means and "vattn-tp1" in means:  # what --tp N GPUs gain over one (issue 26's targets)
-            ratios[name]["vattn_over_vattn_tp1"] = means["vattn"] / means["vattn-tp1"]
+        if "vattn-tp1" in means:  # what --tp N GPUs gain over one, as TP or as PP stages (issue 26's targets)
+            ratios[name]["over_vattn_tp1"] = {lab: t / means["vattn-tp1"] for lab, t in means.items()
+                                              if lab.startswith("vattn") and lab != "vattn-tp1"}
         fl = f["total_s"] if f else None
         rows.append([name] + [means.get(lab) for lab in labels] + [
             ratio, fl, means["vattn"] / fl if fl and "vattn" in means else None, best / fl if fl and best else None])

@@ -43,6 +43,14 @@ def test_results_of_one_call_compare_into_ratios():
     assert ratios["w1"]["best_vllm"] == "vllm" and ratios["w1"]["vattn_over_vllm"] == pytest.approx(1.0)
 
 
+def test_a_call_with_vattn_on_one_gpu_gives_every_other_vattn_side_over_it():
+    # issue 26's ratios from the call that measures vLLM: TP=2 and PP=2 over one GPU
+    _, _, ratios = peer.compare([side("vattn", wall=0.63), side("vattn-tp1", wall=1.0), side("vattn-pp2", wall=0.75),
+                                 side("vllm", wall=0.6)], None)
+    assert ratios["w1"]["over_vattn_tp1"] == {"vattn": pytest.approx(0.63), "vattn-pp2": pytest.approx(0.75)}
+    assert ratios["w1"]["over_best_vllm"]["vattn-tp1"] == pytest.approx(1 / 0.6)
+
+
 def test_results_of_different_calls_are_refused():
     with pytest.raises(PeerMismatch, match="comes from call call-2, vattn from call call-1: numbers from different calls"):
         check_comparable([side("vattn"), side("vllm", call_id="call-2")])
@@ -182,6 +190,11 @@ def test_tensor_parallel_sides_give_both_engines_the_shape_and_run_vattn_on_ray(
     one = next(s for s in peer.prepare(peer.build_parser().parse_args(
         ["run", "--tp", "2", "--workloads", "w1", "--sides", "vattn", "vattn-tp1"]), "call-1", tmp_path).values())[1]
     assert one.label == "vattn-tp1" and one.engine_args == vattn.engine_args | {"tensor_parallel_size": 1}
+    # and the two GPUs as pipeline stages
+    pp = next(s for s in peer.prepare(peer.build_parser().parse_args(
+        ["run", "--tp", "2", "--workloads", "w1", "--sides", "vattn-pp2-p2p"]), "call-1", tmp_path).values())[0]
+    assert pp.engine_args == vattn.engine_args | {"tensor_parallel_size": 1, "pipeline_parallel_size": 2,
+                                                  "pipeline_handoff": "p2p"}
 
 
 def test_tensor_parallel_runs_refuse_what_only_the_in_process_engine_shows(monkeypatch):
