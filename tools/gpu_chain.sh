@@ -30,10 +30,11 @@ cutlass_rev=dc4817921edda44a549197ff3a9dcf5df0636e7b
 
 prepare() {
   cd "$root" || exit 1
-  local moved=""
-  [ -d .gpu/vllm ] && [ "${1:-}" != --vllm ] && mv .gpu/vllm /tmp/gpu_chain_vllm.$$ && moved=1
-  ../shared/tools/gpu_ray_wheels.sh || exit 1  # starts with rm -rf .gpu
-  [ -n "$moved" ] && mv /tmp/gpu_chain_vllm.$$ .gpu/vllm
+  local keep=/tmp/gpu_chain_keep.$$ part  # vLLM's and FlashInfer's parts: gpu_ray_wheels.sh starts with rm -rf .gpu
+  mkdir -p $keep && for part in vllm fi; do [ -d .gpu/$part ] && mv .gpu/$part $keep/; done
+  ../shared/tools/gpu_ray_wheels.sh; rc=$?
+  for part in vllm fi; do [ -d $keep/$part ] && mkdir -p .gpu && mv $keep/$part .gpu/; done; rmdir $keep
+  [ $rc = 0 ] || exit 1
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
     --platform manylinux1_x86_64 py-spy -d .gpu/pyspy || exit 1
