@@ -16,8 +16,8 @@ Every timed run starts from an empty prefix cache in both engines; ``prefix`` an
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
 ``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size;
-``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2``, ``vattn-pp2-p2p``: with ``--tp 2``, the two GPUs as
-pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
+``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2``, ``vattn-pp2-p2p``, ``vattn-pp2-ring``: with ``--tp 2``,
+the two GPUs as pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
 peer memory).
 """
 
@@ -111,6 +111,7 @@ VATTN_SIDES = {
     # The same GPUs as pipeline stages, each a micro-batch in flight: the channel's hand-off, and the stages' own
     "vattn-pp2": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
     "vattn-pp2-p2p": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "pipeline_handoff": "p2p"},
+    "vattn-pp2-ring": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "pipeline_handoff": "ring"},
     # With ``--tp N``: every sum on NCCL, not the small ones through peer memory (worker/peer_all_reduce.py)
     "vattn-nccl": {"disable_custom_all_reduce": True},
 }

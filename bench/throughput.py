@@ -125,7 +125,8 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     every TP sum on NCCL, none through peer memory (``disable_custom_all_reduce=True``), ``/overlap`` prefill
     products of 2048 rows or more in halves whose sums overlap (``tp_overlap_rows=2048``), ``/mbN`` N
     micro-batches in flight with pipeline stages (``pipeline_micro_batches``), ``/p2p`` the stages' own hand-off
-    (``pipeline_handoff="p2p"``); ``#k`` names a repeat. The warm-up runs every prompt's first ``warmup_tokens``;
+    (``pipeline_handoff="p2p"``), ``/ring`` with the last stage's tokens handed back to the first (``"ring"``);
+    ``#k`` names a repeat. The warm-up runs every prompt's first ``warmup_tokens``;
     ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
@@ -133,9 +134,9 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     parallel = {"disable_custom_all_reduce": True} if "/nccl" in name else {}
     if "/overlap" in name:
         parallel["tp_overlap_rows"] = 2048
-    if "/p2p" in name:
-        parallel["pipeline_handoff"] = "p2p"
-    for mode in ("/sync", "/async", "/eager", "/graphs", "/nccl", "/overlap", "/p2p"):
+    if "/p2p" in name or "/ring" in name:
+        parallel["pipeline_handoff"] = "p2p" if "/p2p" in name else "ring"
+    for mode in ("/sync", "/async", "/eager", "/graphs", "/nccl", "/overlap", "/p2p", "/ring"):
         name = name.replace(mode, "")
     spec, _, where = name.partition("@")
     layout, _, attention = spec.partition(":")

@@ -80,8 +80,11 @@ class EngineConfig:
     # How a stage's hidden states reach the next: "channel", the compiled graph's (GPU to GPU over NCCL with one TP
     # rank a stage, host memory with several); "p2p", the stages' own torch.distributed send and receive, the receive
     # queued before a stage maps and plans its step, so that host work overlaps the stage before's compute
-    # (cluster/stage_link.py). "channel" until "p2p" is measured on GPUs (docs/performance.md, "Two GPUs").
-    pipeline_handoff: Literal["channel", "p2p"] = "channel"
+    # (cluster/stage_link.py); "ring", p2p and the last stage hands each step's drawn tokens back to the first on the
+    # device, so that a micro-batch's next step is launched before the scheduler has read its tokens (one more step
+    # in flight; the stages never wait for the host's round trip). "channel" until the others are measured against
+    # it in one call on GPUs (docs/performance.md, "Two GPUs").
+    pipeline_handoff: Literal["channel", "p2p", "ring"] = "channel"
     distributed: Literal["local", "ray"] = "local"
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
@@ -120,8 +123,9 @@ class EnginePlan:
     @property
     def steps_in_flight(self) -> int:
         """The most steps the engine keeps in flight: two with async scheduling, the micro-batches with pipeline
-        parallelism (one a stage unless ``pipeline_micro_batches`` says otherwise), else one."""
-        return 2 if self.async_scheduling else self.scheduler.micro_batches
+        parallelism (one a stage unless ``pipeline_micro_batches`` says otherwise) and one more in a token ring (a
+        micro-batch's next step queued behind the step whose tokens it takes), else one."""
+        return 2 if self.async_scheduling else self.scheduler.micro_batches + bool(self.scheduler.token_ring)
 
     @property
     def is_sized(self) -> bool:
@@ -274,10 +278,17 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or pp == 1):
         raise ValueError(f"pipeline_micro_batches must be None or an int >= 1 with pipeline_parallel_size > 1, got "
                          f"{micro!r} with pipeline_parallel_size={pp}")
-    if config.pipeline_handoff not in ("channel", "p2p"):
-        raise ValueError(f"pipeline_handoff must be 'channel' or 'p2p', got {config.pipeline_handoff!r}")
+    if config.pipeline_handoff not in ("channel", "p2p", "ring"):
+        raise ValueError(f"pipeline_handoff must be 'channel', 'p2p' or 'ring', got {config.pipeline_handoff!r}")
+    # The first stage receives the tokens of the step launched as many steps before as there are stages: the
+    # sequences must come round at that pace, a micro-batch a stage.
+    ring = pp if config.pipeline_handoff == "ring" and pp > 1 and ahead else 0
+    if ring and micro not in (None, pp):
+        raise ValueError(f"pipeline_handoff='ring' runs a micro-batch a stage: pipeline_micro_batches must be None or "
+                         f"{pp}, got {micro!r}")
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
-                                max_model_len, config.map_ahead, micro_batches=(micro or pp) if ahead else 1)
+                                max_model_len, config.map_ahead, micro_batches=(micro or pp) if ahead else 1,
+                                token_ring=ring)
     overlap = ahead and pp == 1  # one stage: the next step continues the same sequences, on placeholders
     if config.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")
@@ -357,7 +368,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                      deferred_reclamation=config.deferred_reclamation, zero_unmapped=config.zero_unmapped,
                      kv_guard_tokens=config.kv_guard_tokens if config.zero_unmapped else None,
                      seed=config.seed, progress=config.progress,
-                     load_format=config.load_format, fills_placeholders=overlap, deterministic=config.deterministic,
+                     load_format=config.load_format, fills_placeholders=overlap, token_ring=bool(ring),
+                     deterministic=config.deterministic,
                      custom_all_reduce=not config.disable_custom_all_reduce, tp_overlap_rows=config.tp_overlap_rows,
                      warm_rows=0 if config.deterministic else config.max_num_batched_tokens)  # its own matmuls
         for p in range(pp) for t in range(tp)

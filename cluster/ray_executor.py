@@ -98,9 +98,11 @@ class RayExecutor:
 
     @property
     def _p2p(self) -> bool:
-        """The pipeline stages hand hidden states on themselves (``pipeline_handoff="p2p"``, ``StageLink``)."""
+        """The pipeline stages hand hidden states on themselves (``pipeline_handoff="p2p"`` or ``"ring"``,
+        ``StageLink``); in a ring (``SchedulerConfig.token_ring``) the last stage's drawn tokens go back to the
+        first."""
         c = self.plan.config
-        return c.pipeline_handoff == "p2p" and c.pipeline_parallel_size > 1
+        return c.pipeline_handoff in ("p2p", "ring") and c.pipeline_parallel_size > 1
 
     @property
     def late_masks(self) -> bool:
@@ -164,8 +166,10 @@ class RayExecutor:
             peers = gpu and tp > 1 and not c.disable_custom_all_reduce
             gpus = ray.get([a.gpu.remote() for a in self._actors]) if peers else [("", "")] * world
             node_gpus = [tuple(g for n, g in gpus if n == node) for node, _ in gpus]
-            pp = c.pipeline_parallel_size
-            ray.get([a.setup.remote(init, rank, world, stages, node_gpus[rank], StageLink.between(rank, tp, pp) if p2p else None)
+            pp, ring = c.pipeline_parallel_size, bool(self.plan.scheduler.token_ring)
+            rings = StageLink.ring_pairs(tp, pp) if ring else []
+            ray.get([a.setup.remote(init, rank, world, stages, node_gpus[rank],
+                                    StageLink.between(rank, tp, pp, ring) if p2p else None, rings)
                      for rank, a in enumerate(self._actors)])
             if not self.plan.is_sized:  # every worker's weights are in: the pools take a share of what is left
                 c = self.plan.config

@@ -14,9 +14,11 @@ is left out. ``postprocess`` then drops a token sampled for a sequence that ende
 found one step late, an abort).
 
 With pipeline parallelism the steps in flight are micro-batches over disjoint sequences (``micro_batches``, vLLM's
-virtual engines): the first stage computes one while the next stage computes another. The first stage never sees the
-last stage's samples, so a sequence whose token is being sampled waits for it instead of taking a placeholder, and
-each step takes at most its share of ``max_num_seqs``, so that the steps in flight split the running sequences.
+virtual engines): the first stage computes one while the next stage computes another. Each step takes at most its
+share of ``max_num_seqs``, so that the steps in flight split the running sequences. The first stage does not see the
+last stage's samples, so a sequence whose token is being sampled waits for it -- unless the last stage hands its drawn
+tokens back to the first on the device (``token_ring``): then it takes a placeholder ``micro_batches`` steps after its
+last step, by when the last stage has drawn its token, and the scheduler need not have read it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: as long as the ledger's slots
     map_ahead: bool = True  # False: each step's pages are mapped in the step (the baseline the mapper hides)
     micro_batches: int = 1  # > 1: steps in flight over disjoint sequences, each of max_num_seqs / micro_batches at most
+    # > 0, the pipeline's stages: the last stage hands each step's drawn tokens back to the first on the device
+    # (``pipeline_handoff="ring"``), so a sequence whose token is in flight takes a step again this many steps after
+    # its last, on a placeholder: by then the last stage has drawn it, and the first stage receives it.
+    token_ring: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "micro_batches"):
@@ -51,6 +57,8 @@ class SchedulerConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.token_ring, bool) or not isinstance(self.token_ring, int) or self.token_ring < 0:
+            raise ValueError(f"token_ring must be an int >= 0 (0: off), got {self.token_ring!r}")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"swap_space must be an int >= 0 bytes, got {self.swap_space_bytes!r}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -93,6 +101,7 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._fresh: set[int] = set()  # pages cached in this schedule(), their K/V computed in the step it makes
+        self.rounds = 0  # steps with a batch scheduled so far
         self._next_seq_id = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -116,15 +125,12 @@ class Scheduler:
         out = SchedulerOutput()
         self._fresh.clear()
         budget = self.config.max_num_batched_tokens
-        most, disjoint = self.step_seqs, self.config.micro_batches > 1
+        most = self.step_seqs
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < most:
             seq = self.running[i]
             i += 1
-            if self.ends_in_flight(seq) or (
-                    seq.pending and (disjoint or seq.request.waits_for_its_last_token(self.late_masks))):
-                # its next step needs the token in flight: micro-batches have no placeholder; a grammar's mask, a
-                # bad word's ban need the token itself
+            if self.ends_in_flight(seq) or (seq.pending and not self._continues_on_placeholder(seq)):
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._back(seq, seq.num_computed + n, out):
@@ -134,7 +140,19 @@ class Scheduler:
             budget -= n
         if not out.preempted:
             budget = self._admit(budget, out)
+        self.rounds += bool(out.scheduled)
         return out
+
+    def _continues_on_placeholder(self, seq: Sequence) -> bool:
+        """Whether ``seq``, whose token is in flight, takes this step on a placeholder for it: with one stage the
+        worker that draws it fills it in; with pipeline stages only in a token ring, as many steps after its last as
+        there are stages, when the last stage has drawn it; never where the draw after needs that token on the host
+        (a grammar's mask, a bad word's ban)."""
+        if seq.request.waits_for_its_last_token(self.late_masks):
+            return False
+        if self.config.token_ring:
+            return seq.pending == 1 and self.rounds - seq.scheduled_round >= self.config.token_ring
+        return self.config.micro_batches == 1
 
     @property
     def step_seqs(self) -> int:
@@ -150,6 +168,7 @@ class Scheduler:
         samples = self._samples(seq, n)
         out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, samples))
         seq.num_computed += n
+        seq.scheduled_round = self.rounds
         if samples:
             seq.pending += 1
 

@@ -73,6 +73,7 @@ class Sequence:
     texts_for: int = 0
     num_preemptions: int = 0
     pending: int = 0
+    scheduled_round: int = -1  # the scheduler's step (``Scheduler.rounds``) that last took it
     # The output's text so far, decoded a token at a time (``EngineCore._text``), and the exact text once finished.
     text: str = ""
     decoded: int = 0  # output tokens in ``text``

@@ -23,7 +23,8 @@ class WorkerActor:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.worker: Worker | None = None
-        self._groups: tuple | None = None  # (TP group, its gloo twin) once joined; None: not distributed
+        # (TP group, its gloo twin, the token ring's) once joined; None: not distributed
+        self._groups: tuple | None = None
         self._link: StageLink | None = None
         # This worker's CUDA device where it sees more than its own GPU: selected again in every call (``_select_device``)
         self._device: int | None = None
@@ -40,19 +41,21 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def setup(self, init_method: str | None, rank: int, world: int, stage_ranks: list[list[int]],
-              node_gpus: tuple[str, ...] = (), link: StageLink | None = None) -> None:
+              node_gpus: tuple[str, ...] = (), link: StageLink | None = None, rings: list[list[int]] = ()) -> None:
         """Join the TP groups (every rank creates every stage's group, in the same order), then build the
         shard: model, cache, mapper. ``node_gpus``: the GPUs of this node's workers, to see them all (``_select``);
-        ``link``: the stages hand hidden states on themselves (``StageLink``), not through the compiled graph."""
+        ``link``: the stages hand hidden states on themselves (``StageLink``), not through the compiled graph;
+        ``rings``: the ranks of each token ring's group (``StageLink.ring_pairs``)."""
         cfg = self.config
         if cfg.device == "cuda":
             self._device = _select(node_gpus)
         if init_method is not None:
-            self._groups = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank)
-        group, cpu_group = self._groups or (None, None)  # set up again without joining: the groups joined before
+            self._groups = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank, rings)
+        group, cpu_group, ring_group = self._groups or (None, None, None)  # set up again: the groups joined before
         self.worker = Worker(cfg, tp_group=group, tp_cpu_group=cpu_group)
         self._link = link
         if link is not None:
+            link.ring_group = ring_group
             link.connect(self.worker.device)
         self._hidden_dtype = next(self.worker.model.parameters()).dtype
         # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
@@ -85,10 +88,16 @@ class WorkerActor:
         return self._run(step, inputs)
 
     def _run(self, step: StepInput, inputs: torch.Tensor | int | None):
-        if self._link is not None:  # before the step's KV operations and plan: NCCL queues it, the host goes on
-            inputs = self._link.receive(step, self.worker.model.config.hidden_size, self._hidden_dtype, self.worker.device)
+        link = self._link
+        if link is not None:  # before the step's KV operations and plan: NCCL queues it, the host goes on
+            inputs = link.receive(step, self.worker.model.config.hidden_size, self._hidden_dtype, self.worker.device)
+            if link.ring is not None and link.prev is None:  # the tokens this step's placeholders take
+                self.worker.hand(link.take_back(step))
         if self.worker.model.is_last:
-            out = self.worker.execute(step, inputs)
+            pending = self.worker.launch(step, inputs)
+            if link is not None and link.ring is not None and pending.launched is not None and any(step.num_samples):
+                link.hand_back(pending.launched.tokens)  # queued behind the draw: the first stage receives it
+            out = self.worker.finish(pending)
             return WorkerOutput(out.sampled, self.worker.report(), out.logprobs, out.prompt_logprobs)
         hidden = self.worker.pass_on(step, inputs)  # launched ahead: NCCL sends it after the stage's kernels
         if self._link is not None:
@@ -162,15 +171,21 @@ def _select(node_gpus: tuple[str, ...]) -> int | None:
     return None
 
 
-def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_ranks: list[list[int]], stage: int):
-    """This stage's TP group (None: the default group, with one stage) and the same ranks over gloo, for what the
-    hosts agree on (``TPGroup.cpu_group``); every rank creates every stage's groups, in the same order."""
+def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_ranks: list[list[int]], stage: int,
+                   rings: list[list[int]] = ()):
+    """This stage's TP group (None: the default group, with one stage), the same ranks over gloo, for what the
+    hosts agree on (``TPGroup.cpu_group``), and the group of this rank's token ring if it has one; every rank creates
+    every group, in the same order."""
     backend = "nccl" if device == "cuda" else "gloo"
     kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
     groups = [None] if len(stage_ranks) == 1 else [dist.new_group(ranks) for ranks in stage_ranks]
     cpu_groups = [dist.new_group(ranks, backend="gloo") for ranks in stage_ranks]
-    return groups[stage], cpu_groups[stage]
+    ring = None
+    for ranks in rings:
+        made = dist.new_group(ranks)
+        ring = made if rank in ranks else ring
+    return groups[stage], cpu_groups[stage], ring
 
 
 def _leave_groups() -> None:

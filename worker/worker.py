@@ -72,6 +72,9 @@ class WorkerConfig:
     # Async scheduling: a step's input may end a sequence's chunk with ``PLACEHOLDER``, the token this worker
     # sampled for it last (the scheduler has not seen it yet); so every TP rank samples.
     fills_placeholders: bool = False
+    # Pipeline stages in a token ring (``pipeline_handoff="ring"``): every TP rank of the last stage samples, to hand
+    # its tokens back to its counterpart in the first stage, which fills placeholders with them (``hand``).
+    token_ring: bool = False
     deterministic: bool = False  # batch-invariant matmuls and all-reduce (the plan picks the invariant attention)
     custom_all_reduce: bool = True  # TP on GPUs: small sums through peer memory (``PeerAllReduce``) where it works
     tp_overlap_rows: int = 0  # ``TPGroup.overlap_rows``
@@ -100,6 +103,7 @@ class Worker:
             self.allocate(config.pool_bytes)
         self._seqs: dict[int, NewSeq] = {}
         self._last: dict[int, int] = {}  # seq_id -> the token last sampled for it (fills placeholders)
+        self._handed: tuple[torch.Tensor, dict[int, int]] | None = None  # a token ring's last tokens (``hand``)
         self._reported_maps = 0
         self._busy = 0.0
         self._device = 0.0  # device time of the steps finished (CUDA)
@@ -135,7 +139,8 @@ class Worker:
                                         guard_tokens=c.kv_guard_tokens)
         try:
             self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
-                                      c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders, tp=self.tp,
+                                      c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders or c.token_ring,
+                                      tp=self.tp,
                                       warm_rows=c.warm_rows)
             self.swap = SwapSpace(self.cache) if c.swap else None
             self.mapper = AsyncMapper(self.cache)
@@ -274,16 +279,25 @@ class Worker:
         pending = self._in_flight = PendingOutput(step.step, launched, ahead)
         return pending
 
+    def hand(self, handed: tuple[torch.Tensor, dict[int, int]] | None) -> None:
+        """The first pipeline stage of a token ring, before each step: ``(tokens, rows)``, where
+        ``tokens[rows[seq_id]]`` is what the last stage drew for ``seq_id`` in the step whose sequences come round in
+        this one, on this device (their placeholders take them); None where that step drew nothing."""
+        self._handed = handed
+
     def _plan(self, step: StepInput, prev: LaunchedStep | None) -> StepPlan:
-        """The step's chunks; a placeholder becomes the token this worker drew for the sequence last: read
-        already, or still on the device in ``prev`` (launched, not finished)."""
-        on_device = prev.rows if prev is not None and prev.tokens is not None else {}
+        """The step's chunks; a placeholder becomes the token drawn for the sequence last: read already, or still on
+        the device in ``prev`` (launched here, not finished), or handed back by the last stage (``hand``)."""
+        source, on_device = (prev.tokens, prev.rows) if prev is not None and prev.tokens is not None else (
+            self._handed if self._handed is not None else (None, {}))
         chunks, fill_chunks, fill_rows = [], [], []
         for i, seq_id in enumerate(step.seq_ids):
             seq = self._seqs[seq_id]
             tokens = step.token_ids[step.offsets[i] : step.offsets[i + 1]]
             if tokens[-1] == PLACEHOLDER:
-                if seq_id in on_device:
+                if not self.model.is_first:  # a later pipeline stage reads the stage before's rows, not token ids
+                    tokens = tokens[:-1] + (0,)
+                elif seq_id in on_device:
                     fill_chunks.append(i)
                     fill_rows.append(on_device[seq_id])
                     tokens = tokens[:-1] + (0,)  # written over on the device
@@ -298,7 +312,7 @@ class Worker:
                                          seq.params, seq.seed, step.output_index[i], seq.sample_index,
                                          step.allowed.get(seq_id), step.banned.get(seq_id, ()), targets,
                                          seq_id in step.late_masks))
-        fill = TokenFill(tuple(fill_chunks), prev.tokens, tuple(fill_rows)) if fill_chunks else None
+        fill = TokenFill(tuple(fill_chunks), source, tuple(fill_rows)) if fill_chunks else None
         return StepPlan(tuple(chunks), fill)
 
     def report(self) -> WorkerReport:

@@ -122,7 +122,8 @@ def test_pipeline_stages_compute_micro_batches_of_other_sequences_at_once():
     sequences): the in-process engine's tokens, steps sent while another was in flight, under preemption, every worker's
     accounting equal to the ledger's at the end; the same with three micro-batches in flight
     (``pipeline_micro_batches``); with the stages handing hidden states on themselves (``pipeline_handoff="p2p"``),
-    at TP=2 too; one step at a time with ``async_scheduling=False``."""
+    at TP=2 too; with the last stage handing its tokens back to the first (``"ring"``: a micro-batch's next step
+    sent before its tokens are read), at TP=2 too; one step at a time with ``async_scheduling=False``."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(5, 60))] for _ in range(16)]
     params = [SamplingParams(max_tokens=rng.randint(4, 24), temperature=0, ignore_eos=True) for _ in prompts]
@@ -131,6 +132,7 @@ def test_pipeline_stages_compute_micro_batches_of_other_sequences_at_once():
         want = [list(o.outputs[0].token_ids) for o in local.generate(prompts, params)]
     for options in (dict(), dict(pipeline_micro_batches=3), dict(pipeline_handoff="p2p"),
                     dict(pipeline_handoff="p2p", tensor_parallel_size=2, pipeline_micro_batches=3),
+                    dict(pipeline_handoff="ring"), dict(pipeline_handoff="ring", tensor_parallel_size=2),
                     dict(async_scheduling=False)):
         with LLM("tiny", distributed="ray", pipeline_parallel_size=2, **options, **kw) as llm:
             assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)] == want
@@ -374,7 +376,9 @@ def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
         (dict(tp_overlap_rows=-1), r"tp_overlap_rows must be an int >= 0 \(0: off\), got -1"),
         (dict(pipeline_micro_batches=3), "pipeline_micro_batches must be None or an int >= 1 with "
                                          "pipeline_parallel_size > 1, got 3 with pipeline_parallel_size=1"),
-        (dict(pipeline_handoff="nccl"), "pipeline_handoff must be 'channel' or 'p2p', got 'nccl'"),
+        (dict(pipeline_handoff="nccl"), "pipeline_handoff must be 'channel', 'p2p' or 'ring', got 'nccl'"),
+        (dict(pipeline_handoff="ring", pipeline_parallel_size=2, pipeline_micro_batches=3),
+         "pipeline_handoff='ring' runs a micro-batch a stage: pipeline_micro_batches must be None or 2, got 3"),
         (dict(kv_memory_fraction=0), r"kv_memory_fraction must be a number in \(0, 1\], got 0"),
         (dict(kv_memory_fraction=1.5), r"kv_memory_fraction must be a number in \(0, 1\], got 1.5"),
     ],

@@ -36,12 +36,13 @@ def gpus():
 # TP's sums go through peer memory by default (float32 sums: exact, as NCCL's); this puts every one on NCCL
 NCCL = dict(disable_custom_all_reduce=True)
 P2P = dict(pipeline_handoff="p2p")  # the stages hand hidden states on themselves (cluster/stage_link.py)
+RING = dict(pipeline_handoff="ring")  # ... and the last stage's tokens go back to the first on the device
 
 
 @pytest.mark.parametrize(("tp", "pp", "layout", "numerics"), [
     (1, 1, "mega", BF16), (1, 1, "paged", BF16), (2, 1, "mega", FP32), (1, 2, "per_layer", FP32), (2, 1, "paged", FP32),
     (2, 2, "mega", FP32), (2, 1, "mega", FP32 | NCCL), (2, 2, "mega", FP32 | NCCL), (1, 2, "mega", FP32 | P2P),
-    (2, 2, "mega", FP32 | P2P),
+    (2, 2, "mega", FP32 | P2P), (1, 2, "mega", FP32 | RING), (2, 2, "mega", FP32 | RING),
 ])
 def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, tp, pp, layout, numerics):
     if tp * pp > gpus:

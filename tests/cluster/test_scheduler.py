@@ -151,6 +151,26 @@ def test_micro_batches_take_other_sequences_and_never_one_whose_token_is_in_flig
     assert [(s.seq, s.start, s.num_tokens, s.num_samples) for s in scheduler.schedule().scheduled] == [(d, 0, 32, 1)]
 
 
+def test_in_a_token_ring_a_sequence_comes_round_on_a_placeholder_as_many_steps_later_as_there_are_stages():
+    """Two stages whose last hands its drawn tokens back to the first: a micro-batch's sequences take a step again
+    two steps after their last, on placeholders, before their tokens are read; never the step right after (the last
+    stage has not drawn them when the first computes it), nor with two tokens in flight."""
+    ledger = PageLedger(SPEC, 16, keeps_pages_on_free=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, micro_batches=2, token_ring=2),
+                          ledger)
+    a, b, c, d = (add(scheduler, list(range(3 + i, 13 + i))) for i in range(4))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert [s.seq for s in first.scheduled] == [a, b] and [s.seq for s in second.scheduled] == [c, d]
+    third = scheduler.schedule()  # nothing read yet: a and b come round on their tokens in flight
+    assert [(s.seq, s.start, s.num_tokens, s.num_samples) for s in third.scheduled] == [(a, 10, 1, 1), (b, 10, 1, 1)]
+    assert (a.pending, b.pending) == (2, 2)
+    fourth = scheduler.schedule()  # c and d now; a and b have two tokens in flight and were in the step before
+    assert [s.seq for s in fourth.scheduled] == [c, d]
+    assert scheduler.schedule().scheduled == []  # every sequence's last step is one of the last two, or two pending
+    scheduler.postprocess(first, sample_all(first))
+    assert [s.seq for s in scheduler.schedule().scheduled] == [a, b]  # one token in flight again, two steps on
+
+
 def test_mapping_ahead_never_copies_a_shared_page():
     """A parent whose next token lands in the page it shares with its fork is left out of the plan: the
     copy would run on the mapper thread while this step writes that page. The next step's ensure copies."""
