@@ -17,8 +17,8 @@ With pipeline parallelism the steps in flight are micro-batches over disjoint se
 virtual engines): the first stage computes one while the next stage computes another. Each step takes at most its
 share of ``max_num_seqs``, so that the steps in flight split the running sequences. The first stage does not see the
 last stage's samples, so a sequence whose token is being sampled waits for it -- unless the last stage hands its drawn
-tokens back to the first on the device (``token_ring``): then it takes a placeholder ``micro_batches`` steps after its
-last step, by when the last stage has drawn its token, and the scheduler need not have read it.
+tokens back to the first on the device (``token_ring``): then it takes a placeholder as many steps after its last as
+there are stages, by when the last stage has drawn its token, and the scheduler need not have read it.
 """
 
 from __future__ import annotations
