@@ -62,6 +62,16 @@ class StageLink:
             back = rank + last * tp_size if stage == 0 else rank - last * tp_size if stage == last else None
         return cls(rank - tp_size if stage > 0 else None, rank + tp_size if stage < last else None, back, pp_size)
 
+    @property
+    def takes_back(self) -> bool:
+        """The first stage of a token ring: it receives the last stage's tokens (``take_back``)."""
+        return self.ring is not None and self.prev is None
+
+    @property
+    def hands_back(self) -> bool:
+        """The last stage of a token ring: it sends its drawn tokens to the first (``hand_back``)."""
+        return self.ring is not None and self.next is None
+
     @staticmethod
     def ring_pairs(tp_size: int, pp_size: int) -> list[list[int]]:
         """The ranks of each token ring's group: TP rank t of the first stage and of the last (every rank creates
@@ -79,11 +89,10 @@ class StageLink:
             dist.recv(token, self.prev)
         if self.next is not None:
             dist.send(token, self.next)
-        if self.ring is not None:  # after the hidden states' link, which the last stage needed the first's send for
-            if self.prev is None:
-                dist.recv(token, self.ring, group=self.ring_group)
-            else:
-                dist.send(token, self.ring, group=self.ring_group)
+        if self.takes_back:  # after the hidden states' link, which the last stage needed the first's send for
+            dist.recv(token, self.ring, group=self.ring_group)
+        elif self.hands_back:
+            dist.send(token, self.ring, group=self.ring_group)
 
     def receive(self, step: StepInput, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """The stage before's hidden states for ``step``: a row per token of the step (None on the first stage, and
@@ -145,7 +154,7 @@ class StageLink:
         """Wait for the sends in flight and let go of them, and take every token still to come: before the process
         group they run in is destroyed."""
         self._wait()
-        if self.ring is not None and self.prev is None:
+        if self.takes_back:
             self._receive_due(self._launches + self._stages)
         for work, _ in self._handing:
             work.wait()

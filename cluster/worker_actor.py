@@ -91,11 +91,11 @@ class WorkerActor:
         link = self._link
         if link is not None:  # before the step's KV operations and plan: NCCL queues it, the host goes on
             inputs = link.receive(step, self.worker.model.config.hidden_size, self._hidden_dtype, self.worker.device)
-            if link.ring is not None and link.prev is None:  # the tokens this step's placeholders take
+            if link.takes_back:  # the tokens this step's placeholders take
                 self.worker.hand(link.take_back(step))
         if self.worker.model.is_last:
             pending = self.worker.launch(step, inputs)
-            if link is not None and link.ring is not None and pending.launched is not None and any(step.num_samples):
+            if link is not None and link.hands_back and pending.launched is not None and any(step.num_samples):
                 link.hand_back(pending.launched.tokens)  # queued behind the draw: the first stage receives it
             out = self.worker.finish(pending)
             return WorkerOutput(out.sampled, self.worker.report(), out.logprobs, out.prompt_logprobs)

@@ -32,6 +32,8 @@ def test_a_token_ring_links_the_first_and_the_last_stages_same_tp_ranks():
     assert [(lk.prev, lk.next, lk.ring) for lk in (StageLink.between(r, 2, 3, ring=True) for r in range(6))] == [
         (None, 2, 4), (None, 3, 5), (0, 4, None), (1, 5, None), (2, None, 0), (3, None, 1)]
     assert StageLink.ring_pairs(2, 3) == [[0, 4], [1, 5]]
+    assert [(lk.takes_back, lk.hands_back) for lk in (StageLink.between(r, 1, 3, ring=True) for r in range(3))] == [
+        (True, False), (False, False), (False, True)]
     assert StageLink.between(0, 1, 2).ring is None  # the p2p hand-off alone
 
 
