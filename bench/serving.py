@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -159,13 +158,11 @@ def start_server(args) -> tuple[str, str]:
     from ray import serve
 
     from server.app import app_builder
-    from server.serve_env import local_cluster_env
+    from server.serve_env import free_local_port, local_cluster_env
 
     local_cluster_env()  # the data plane `vattn serve` uses
     ray.init(num_cpus=max(os.cpu_count() or 1, 2 + args.ingress_replicas), include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve_args = {"model": args.model, "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs,
                   "max_model_len": args.prefix_len + args.input + args.output + 8, "max_n": 1, "max_pending": 100_000,

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import report  # noqa: E402
+from server.serve_env import free_local_port  # noqa: E402
 
 MODEL = "tiny"
 MIX = {  # kind: weight
@@ -234,9 +234,7 @@ def main() -> None:
     parser.add_argument("--recover-s", type=float, default=120, help="a killed worker's engine must serve again within")
     parser.add_argument("--out-dir", type=Path, default=report.RESULTS)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(port, args)
     stats, errors, samples, kills = Counter(), [], [], []

@@ -17,6 +17,8 @@ the chart sets them on every pod (``serveEnv`` in its values, kept equal to ``TH
 from __future__ import annotations
 
 import os
+import random
+import socket
 
 #: Ray's high-throughput serving settings. A value already in the environment wins (``0`` turns one off).
 THROUGHPUT_ENV = {
@@ -34,3 +36,22 @@ def local_cluster_env() -> None:
     process is about to start."""
     for name, value in LOCAL_ENV.items():
         os.environ.setdefault(name, value)
+
+
+#: Ports a local cluster's processes do not pick by themselves. The kernel hands out 32768-60999 for ``bind(0)`` and
+#: outgoing connections, Ray its workers 10002-19999 and direct-ingress replicas 30000-31000 (HTTP) and 40000-41000
+#: (gRPC): a port asked of the kernel before Serve starts once went to a replica's gRPC server, and HAProxy could not
+#: bind it.
+FREE_PORTS = range(20000, 30000)
+
+
+def free_local_port() -> int:
+    """A loopback port in ``FREE_PORTS`` that nothing listens on now, for a local Serve app (or a tool beside it)."""
+    for port in random.sample(FREE_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1} after 64 tries")

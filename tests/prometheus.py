@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import free_port
+from server.serve_env import free_local_port
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -43,7 +43,7 @@ def prometheus(target: str, workdir: Path, scrape_interval: str = "1s") -> Itera
     config = workdir / "prometheus.yml"
     config.write_text(f"global: {{scrape_interval: {scrape_interval}}}\nscrape_configs:\n  - job_name: vattn\n"
                       f"    static_configs: [{{targets: ['{target}']}}]\n")
-    port = free_port()
+    port = free_local_port()
     log = workdir / "prometheus.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -14,13 +13,7 @@ from ray.serve import Application
 
 from cluster.config import EngineConfig
 from server.app import AppConfig, build_app
-from server.serve_env import local_cluster_env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server.serve_env import free_local_port, local_cluster_env
 
 
 @contextmanager
@@ -30,7 +23,7 @@ def serving(build: Callable[[], Application], num_cpus: int = 4, **run) -> Itera
     local_cluster_env()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        port = free_port()
+        port = free_local_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(), **{"route_prefix": "/", **run})
         yield f"http://127.0.0.1:{port}"

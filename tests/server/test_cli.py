@@ -16,7 +16,7 @@ import pytest
 
 from cluster.cli import engine_config, kv_size
 from server.cli import main
-from tests.server.conftest import free_port
+from server.serve_env import free_local_port
 
 
 def test_generate_prints_json_per_prompt(capsys):
@@ -89,7 +89,7 @@ def test_serve_refuses_bad_options_before_ray_starts(capsys, argv, message):
 
 def test_serve_answers_and_a_sigterm_stops_it_leaving_the_port_free(tmp_path):
     """What a process manager does. HAProxy, on the port, outlives a killed Ray: the server must stop Serve itself."""
-    port = free_port()
+    port = free_local_port()
     log = (tmp_path / "serve.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", "tiny", "--device", "cpu",
                                 "--port", str(port), "--kv-memory", "64MiB"], stdout=log, stderr=subprocess.STDOUT,

@@ -24,7 +24,8 @@ import pytest
 import ray
 from ray import serve
 
-from tests.server.conftest import free_port, stream_to_end, tiny_server
+from server.serve_env import free_local_port
+from tests.server.conftest import stream_to_end, tiny_server
 from tests.server.test_openai_api import engine_snapshot
 
 
@@ -32,7 +33,7 @@ from tests.server.test_openai_api import engine_snapshot
 def redis_server() -> Iterator[str]:
     if not shutil.which("redis-server"):
         pytest.skip("redis-server is not installed (`apt-get install redis-server`; `make test` installs it)")
-    port = free_port()
+    port = free_local_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL)
     try:
