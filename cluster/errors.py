@@ -14,3 +14,7 @@ class PlacementError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine could not rebuild its worker group; it serves nothing more."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is being stopped: it finishes the requests it holds and takes no new ones (send them elsewhere)."""

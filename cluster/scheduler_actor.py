@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 
 from cluster.config import EngineConfig, model_config, plan
 from cluster.engine_core import EngineCore, Prompt
-from cluster.errors import EngineDeadError, WorkerGroupError
+from cluster.errors import EngineDeadError, EngineDrainingError, WorkerGroupError
 from cluster.outputs import RequestOutput
 from cluster.ray_executor import RayExecutor
 from cluster.telemetry import EngineSnapshot
 from kvmem.stats import PageMap, SlotAccounting
 from worker.sampling import SamplingParams
-from worker.tokenizer import load_tokenizer
+from worker.tokenizer import Tokenizer, load_tokenizer
 
 
 #: Seconds a finished request's output waits for its client before it is dropped (a client that went away).
@@ -26,6 +26,31 @@ UNCLAIMED_OUTPUT_S = 300.0
 # The calls every request and every step make send no task events to the GCS. It keeps the last 100,000 tasks'
 # events: serving tiny on CPU (bench/soak.py) it grew from 245 to 363 MiB over the first 20 minutes, to that cap.
 hot = ray.method(enable_task_events=False)
+
+
+@dataclass(frozen=True)
+class AddCall:
+    """One API call's requests, as its client sends them to a scheduler actor (``SchedulerActor.add``): ``prompts``
+    (text or token ids), or ``chat`` messages (with their ``tools``) to put through the model's chat template, all
+    under ``params``, queued under the caller's ``request_ids``; their outputs go to ``consumer``'s polls.
+    ``cache_salt``: the prefix cache's (``EngineCore.prepare``)."""
+
+    prompts: list
+    params: SamplingParams
+    stream: bool
+    request_ids: tuple[str, ...]
+    consumer: str
+    chat: list[dict] | None = None
+    tools: list[dict] | None = None
+    cache_salt: str | None = None
+
+    def engine_prompts(self, tokenizer: Tokenizer) -> list[Prompt]:
+        """What ``EngineCore.prepare`` takes: the chat templated, the salt beside each prompt."""
+        prompts = [tokenizer.apply_chat_template(self.chat, self.tools)] if self.chat is not None else self.prompts
+        if self.cache_salt is None:
+            return prompts
+        return [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": self.cache_salt}
+                for p in prompts]
 
 
 @ray.remote(num_cpus=0)
@@ -45,6 +70,7 @@ class SchedulerActor:
         self._consumers: dict[str, set[str]] = {}  # consumer -> the live requests it added
         self._unclaimed: dict[str, float] = {}  # finished request -> when its final output was buffered
         self._rebuilding = False
+        self._draining = False
         try:
             engine_plan = plan(config, model_config(config.model), config.device)
             tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids, config.tokenizer,
@@ -69,6 +95,13 @@ class SchedulerActor:
 
     # -- clients -------------------------------------------------------------------------------
     @hot
+    def add(self, call: AddCall) -> None:
+        """``add_requests`` for one API call; an ``EngineDrainingError`` once ``drain`` was called."""
+        self._check_alive()
+        prompts = call.engine_prompts(self.core.tokenizer)
+        self.add_requests(prompts, [call.params] * len(prompts), call.stream, list(call.request_ids), call.consumer)
+
+    @hot
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False,
                      request_ids: list[str] | None = None, consumer: str | None = None) -> list[str]:
         """Validate all (a ``ValueError`` queues none), queue them for the loop; their ids (``request_ids``: the
@@ -80,6 +113,8 @@ class SchedulerActor:
         with self._cond:
             if self._closed:
                 raise EngineDeadError("the engine is shutting down: no new requests")
+            if self._draining:
+                raise EngineDrainingError("this engine replica is being stopped: it takes no new requests")
             taken = [r.request_id for r in prepared if r.request_id in self._outputs]
             if taken or len({r.request_id for r in prepared}) < len(prepared):
                 raise ValueError(f"request ids in use or repeated: {taken or ids}")
@@ -149,6 +184,11 @@ class SchedulerActor:
             if not ids:
                 del self._consumers[consumer]
 
+    def drain(self) -> None:
+        """Take no new requests from now on (they get ``EngineDrainingError``); those held run to their ends."""
+        with self._cond:
+            self._draining = True
+
     @hot
     def in_flight(self) -> int:
         """Requests added and not yet done with: running, waiting, or finished with their final output not collected
@@ -158,10 +198,11 @@ class SchedulerActor:
 
     @hot
     def health(self) -> str:
-        """"ok", "rebuilding" (the worker group failed and is being replaced) or "dead" (the engine cannot serve)."""
+        """"ok", "rebuilding" (the worker group failed and is being replaced), "draining" (its replica is being
+        stopped: it finishes what it holds, takes nothing new) or "dead" (the engine cannot serve)."""
         if self._error is not None or self._closed:
             return "dead"
-        return "rebuilding" if self._rebuilding else "ok"
+        return "rebuilding" if self._rebuilding else "draining" if self._draining else "ok"
 
     @hot
     def snapshot(self) -> EngineSnapshot:

@@ -87,7 +87,7 @@ async def ask_replicas(method: str, fallback) -> dict:
         except Exception:  # a replica going away or rebuilding
             return fallback
 
-    actors = scheduler_actors()
+    actors = await asyncio.to_thread(scheduler_actors)  # GCS calls: the event loop serves the streams meanwhile
     return dict(zip(actors, await asyncio.gather(*(ask(a) for a in actors.values())), strict=True))
 
 
@@ -116,14 +116,16 @@ def build_api(collector: OutputCollector, settings: ServerSettings, model_name: 
 
     @app.get("/health")
     async def health():
-        """200 while at least one engine replica serves ("degraded" unless all do), else 503."""
+        """200 while at least one engine replica serves ("degraded" unless all do, replicas being replaced aside),
+        else 503."""
         states = await ask_replicas("health", "unreachable")
-        states |= {f"missing-{k}": "missing" for k in range(num_replicas - len(states))}
+        draining = sum(state == "draining" for state in states.values())  # a rolling update's old replicas
+        states |= {f"missing-{k}": "missing" for k in range(num_replicas - len(states) + draining)}
         ready = sum(state == "ok" for state in states.values())
         if not ready:
             detail = ", ".join(f"{replica}: {state}" for replica, state in states.items())
             raise APIError(503, f"no engine replica is serving ({detail})", "service_unavailable")
-        return {"status": "ok" if ready == len(states) else "degraded", "replicas": states}
+        return {"status": "ok" if ready + draining == len(states) else "degraded", "replicas": states}
 
     @app.get("/metrics")
     async def metrics():

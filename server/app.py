@@ -53,7 +53,8 @@ class OpenAIIngress:
 
     def __init__(self, engine: DeploymentHandle, settings: ServerSettings, num_replicas: int):
         self.engine, self.settings, self.num_replicas = engine, settings, num_replicas
-        self.collector = OutputCollector(engine, "ingress-" + serve.get_replica_context().replica_id.unique_id)
+        self.collector = OutputCollector(engine, "ingress-" + serve.get_replica_context().replica_id.unique_id,
+                                         direct=num_replicas == 1)
 
     async def __serve_build_asgi_app__(self):
         info = await self.engine.model_info.remote()

@@ -2,7 +2,9 @@
 
 The replica takes requests (Serve routes each call to a replica: ``server.routing``) and hands the caller its
 scheduler actor, from which the caller's ``server.outputs.OutputCollector`` then polls the outputs itself: the
-tokens never pass through this replica, nor through a Serve stream item each.
+tokens never pass through this replica, nor through a Serve stream item each. Where the replica is the deployment's
+only one, the caller sends its next calls to that scheduler actor itself too, until the replica is stopped (its
+drain refuses them, and the caller asks Serve again).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from ray.actor import ActorHandle
 from cluster.config import EngineConfig, model_config
 from cluster.ray_engine import RayEngine
 from cluster.ray_executor import Placement
+from cluster.scheduler_actor import AddCall
 from cluster.telemetry import EngineSnapshot
-from worker.sampling import SamplingParams
 
 
 #: Scheduler actors of engine replicas are named this and the replica's id (/metrics and /health find them).
@@ -67,19 +69,11 @@ class EngineServer:
         self._reports = 0
         self.drain_timeout_s = drain_timeout_s
 
-    async def add(self, prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None,
-                  request_ids: list[str], consumer: str, cache_salt: str | None = None,
-                  tools: list[dict] | None = None) -> SchedulerRef:
-        """Queue ``prompts`` (or ``chat``: messages put through the model's chat template) under the caller's
-        ``request_ids`` (``tools``: the chat's, for its template); their outputs go to ``consumer``'s polls of the
-        returned scheduler. Bad input raises
-        ``ValueError`` before anything is queued."""
-        if chat is not None:
-            prompts = [self.engine.tokenizer.apply_chat_template(chat, tools)]
-        if cache_salt is not None:
-            prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": cache_salt}
-                       for p in prompts]
-        await self.engine.actor.add_requests.remote(prompts, [params] * len(prompts), stream, request_ids, consumer)
+    async def add(self, call: AddCall) -> SchedulerRef:
+        """Queue ``call``'s requests on this replica's scheduler actor, whose polls then return their outputs. Bad
+        input raises ``ValueError`` before anything is queued; a replica being stopped raises
+        ``EngineDrainingError``."""
+        await self.engine.actor.add.remote(call)
         return self.scheduler
 
     async def tokenize(self, prompt: str | None, chat: list[dict] | None, token_strs: bool) -> tuple[list[int], list[str] | None]:
@@ -127,6 +121,7 @@ class EngineServer:
         request's tokens from the scheduler actor after its ``add`` call has returned: without this a rolling update
         would cut every stream short."""
         deadline = time.monotonic() + self.drain_timeout_s
+        await self.engine.actor.drain.remote()  # callers that send to the scheduler directly go to Serve instead
         while time.monotonic() < deadline and await self.engine.actor.in_flight.remote():
             await asyncio.sleep(0.1)
         self._close()

@@ -21,7 +21,6 @@ sent itself: with several, the affinity is per ingress.
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 from collections import OrderedDict
@@ -30,28 +29,24 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from server.engine import EngineServer
+from cluster.scheduler_actor import AddCall
 
 #: Seconds between an engine replica's load reports.
 STATS_PERIOD_S = 0.5
 #: Characters of a request's text per routing chunk (about 16 tokens of English; a few cache pages).
 CHUNK_CHARS = 64
-_ADD = inspect.signature(EngineServer.add)  # the call the router routes
 
 
 def request_text(pending: PendingRequest | None) -> tuple[str, str | None]:
     """(the text a request starts with, its cache salt): the first prompt (text, or token ids as text), or the chat's
-    tools and messages as JSON; ("", None) for a call that is no ``EngineServer.add``."""
-    if pending is None:
+    tools and messages as JSON; ("", None) for a call that is no ``EngineServer.add`` of an ``AddCall``."""
+    call = pending.args[0] if pending is not None and len(pending.args) == 1 and not pending.kwargs else None
+    if not isinstance(call, AddCall):
         return "", None
-    try:
-        call = _ADD.bind(None, *pending.args, **pending.kwargs).arguments
-    except TypeError:
-        return "", None
-    chat, prompts, tools = call.get("chat"), call.get("prompts") or [""], call.get("tools")
     # a chat's tools come first in its template's prompt: a request starts with them
-    first = (json.dumps(tools) if tools else "") + json.dumps(chat) if chat is not None else prompts[0]
-    return (first if isinstance(first, str) else ",".join(map(str, first))), call.get("cache_salt")
+    first = ((json.dumps(call.tools) if call.tools else "") + json.dumps(call.chat) if call.chat is not None
+             else (call.prompts or [""])[0])
+    return (first if isinstance(first, str) else ",".join(map(str, first))), call.cache_salt
 
 
 def prefix_keys(text: str, salt: str | None = None) -> list[int]:

@@ -14,8 +14,9 @@ ray = pytest.importorskip("ray")
 
 from cluster.config import EngineConfig, model_config, plan  # noqa: E402
 from cluster.engine import LLM  # noqa: E402
-from cluster.errors import EngineDeadError  # noqa: E402
+from cluster.errors import EngineDeadError, EngineDrainingError  # noqa: E402
 from cluster.ray_executor import RayExecutor  # noqa: E402
+from cluster.scheduler_actor import AddCall  # noqa: E402
 from tests.cluster.conftest import NEW_TOKENS, step_ranges  # noqa: E402
 from worker.sampling import SamplingParams, StructuredOutputs  # noqa: E402
 
@@ -77,6 +78,27 @@ def test_a_consumers_poll_sees_requests_added_while_it_waits_and_no_one_elses():
         assert finals["a1"].prompt == "mine"
         running = [o for o in seen if not o.finished]
         assert running and all(o.prompt_token_ids == () and o.prompt is None for o in running)
+
+
+def test_a_draining_scheduler_finishes_what_it_holds_and_refuses_new_calls():
+    """A call (``AddCall``, what the HTTP ingress sends) puts a chat through the template. Once its replica drains (a rolling update), the scheduler refuses new calls with ``EngineDrainingError`` --
+    the ingress sends them to Serve instead -- and runs the requests it holds to their ends."""
+    forty = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    chat = [{"role": "user", "content": "hi"}]
+    with LLM("tiny", distributed="ray", kv_memory=8 << 20, **SMALL) as llm:
+        actor = llm._engine.actor
+        ray.get(actor.add.remote(AddCall(["held"], forty, True, ("h1",), "ingress-a")))
+        ray.get(actor.add.remote(AddCall([], forty, False, ("c1",), "ingress-a", chat, cache_salt="tenant")))
+        ray.get(actor.drain.remote())
+        assert ray.get(actor.health.remote()) == "draining"
+        with pytest.raises(EngineDrainingError, match="being stopped: it takes no new requests"):
+            ray.get(actor.add.remote(AddCall(["late"], forty, True, ("l1",), "ingress-a")))
+        finals, deadline = {}, time.monotonic() + 60
+        while len(finals) < 2 and time.monotonic() < deadline:
+            finals |= {o.request_id: o for o in ray.get(actor.wait_outputs.remote(None, 5.0, "ingress-a")) if o.finished}
+        assert sorted(finals) == ["c1", "h1"] and all(len(o.outputs[0].token_ids) == 40 for o in finals.values())
+        assert finals["c1"].prompt == "<user>hi\n<assistant>"  # the toy tokenizer's template
+        assert ray.get(actor.in_flight.remote()) == 0
 
 
 @pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])

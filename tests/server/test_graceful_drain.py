@@ -1,4 +1,5 @@
-"""A rolling update under streaming load: the engine replica being replaced lets its streams run to their ends.
+"""A rolling update under streaming load: the engine replica being replaced lets its streams run to their ends; a
+killed engine replica's successor gets the ingress's next request.
 
 The ingress streams a request's tokens from the engine replica's scheduler actor after the replica's ``add`` call
 has returned, so Serve, which counts calls in progress, sees an idle replica and would stop it at once. The
@@ -12,6 +13,8 @@ import threading
 import time
 from dataclasses import replace
 
+import httpx
+import ray
 from ray import serve
 
 from cluster.config import EngineConfig
@@ -39,3 +42,25 @@ def test_a_rolling_update_lets_every_stream_finish_on_the_replica_it_started_on(
         assert ends == [("done", "length")] * 4
         (new,) = scheduler_actors()
         assert new != old  # the streams outlived the replica they started on
+
+
+def test_the_ingress_sends_past_a_killed_engine_replica_to_its_successor():
+    """With one engine replica the ingress sends its calls to the replica's scheduler actor itself. Once that
+    replica is killed and Serve has started another, the next request goes to the new one, not to an error."""
+    with serving(lambda: build_app(AppConfig(ENGINE))) as url:
+        assert complete(url, "first") == 200  # the ingress learns the scheduler from this call
+        ((old, _),) = scheduler_actors().items()
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::default#VattnEngine#{old}", namespace="serve"), no_restart=True)
+        deadline = time.monotonic() + 180
+        while not (actors := {k: a for k, a in scheduler_actors().items() if k != old}) or any(
+                ray.get(a.health.remote(), timeout=30) != "ok" for a in actors.values()):
+            assert time.monotonic() < deadline, "Serve started no new engine replica"
+            time.sleep(0.5)
+        assert complete(url, "second") == 200
+        ((new, actor),) = actors.items()
+        assert sum(ray.get(actor.snapshot.remote()).finished.values()) == 1
+
+
+def complete(url: str, prompt: str) -> int:
+    return httpx.post(f"{url}/v1/completions", timeout=120,
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}).status_code

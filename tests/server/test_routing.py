@@ -10,6 +10,7 @@ import pytest
 from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest
 
+from cluster.scheduler_actor import AddCall
 from server.routing import (CHUNK_CHARS, KVAwareRouter, PrefixTable, prefer_prefix, prefix_keys, rank,
                             request_text)
 from worker.sampling import SamplingParams
@@ -54,15 +55,16 @@ def pending(*args, **kwargs) -> PendingRequest:
 
 def test_the_router_reads_a_requests_start_from_the_engines_add_call():
     params = SamplingParams(max_tokens=4)
-    assert request_text(pending([SYSTEM + "hi"], params, False, None, ["1"], "c")) == (SYSTEM + "hi", None)
+    assert request_text(pending(AddCall([SYSTEM + "hi"], params, False, ("1",), "c"))) == (SYSTEM + "hi", None)
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
-    text, salt = request_text(pending([], params, True, chat, ["1"], "c", "tenant"))
+    text, salt = request_text(pending(AddCall([], params, True, ("1",), "c", chat, cache_salt="tenant")))
     assert text.startswith('[{"role": "system", "content": "You are') and salt == "tenant"
-    assert request_text(pending([[5, 6, 7]], params, False, None, ["1"], "c", cache_salt="t")) == ("5,6,7", "t")
+    assert request_text(pending(AddCall([[5, 6, 7]], params, False, ("1",), "c", cache_salt="t"))) == ("5,6,7", "t")
     tools = [{"type": "function", "function": {"name": "f"}}]
-    text, _ = request_text(pending([], params, True, chat, ["1"], "c", None, tools))
+    text, _ = request_text(pending(AddCall([], params, True, ("1",), "c", chat, tools)))
     assert text == json.dumps(tools) + json.dumps(chat)  # the template puts the tools first
-    assert request_text(pending("not", "the", "add", "call", "at", "all", "no", "really", "ever")) == ("", None)
+    assert request_text(pending()) == ("", None)  # model_info, snapshot, ...
+    assert request_text(pending("not", "the", "add", "call")) == ("", None)
 
 
 def test_prefix_keys_are_chained_whole_chunks_and_salted():
