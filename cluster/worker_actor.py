@@ -109,14 +109,17 @@ class WorkerActor:
     def execute_ahead(self, step: StepInput) -> tuple[WorkerOutput, ...]:
         """Queue ``step`` on the device, then finish the step the call before queued: the device runs this one
         while the scheduler takes that one's tokens. The reply carries the results finished now, in order: the
-        step before's, and this one's too when it had no batch (nothing was queued)."""
+        step before's, and this one's too when it had no batch (nothing was queued) or ran on a CPU."""
         if step.prior_masks is not None and self.worker.in_flight is not None:
             launched = self.worker.in_flight.launched
             if launched is not None and launched.awaits_masks:  # the call before's draw: its masks came with this one
                 self.worker.supply_masks(self.worker.in_flight, step.prior_masks)
         before = self.worker.in_flight  # the call before's step
         pending = self.worker.launch(step)
-        done = [p for p in (before, pending if pending.launched is None else None) if p is not None]
+        # On a CPU launching a step computes it: its result goes back now, and the scheduler takes it while this
+        # worker computes the next call's step (with the next call's reply, it would wait for that one too).
+        done_now = pending.launched is None or (self.worker.device.type == "cpu" and not pending.launched.awaits_masks)
+        done = [p for p in (before, pending if done_now else None) if p is not None]
         outputs = []
         for p in done:
             out = self.worker.finish(p)
