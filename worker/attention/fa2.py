@@ -29,7 +29,7 @@ class PagedGatherFA2:
     reads = "rows"
 
     def forward(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        k, v = k_rows[meta.kv_rows], v_rows[meta.kv_rows]
+        k, v = k_rows.index_select(0, meta.kv_rows), v_rows.index_select(0, meta.kv_rows)  # as reference.gathered
         out = torch.ops.aten._flash_attention_forward(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_query_len, meta.max_kv_len, 0.0, True, False,
         )

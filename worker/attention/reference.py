@@ -33,5 +33,7 @@ def gathered(k_rows: torch.Tensor, v_rows: torch.Tensor,
     q_at = k_at = 0  # offsets from the host-side seqs: reading cu_seqlens would sync a GPU every layer
     for seq in meta.seqs:
         rows = meta.kv_rows[k_at : k_at + seq.kv_len]
-        yield q_at, seq, k_rows[rows].transpose(0, 1), v_rows[rows].transpose(0, 1)
+        # index_select, not k_rows[rows]: on a CPU, indexing a strided view (one layer's rows of the mega layout)
+        # copied the whole view first -- 2.4 ms against 7 us for 128 rows of a 33 MB view (torch 2.13).
+        yield q_at, seq, k_rows.index_select(0, rows).transpose(0, 1), v_rows.index_select(0, rows).transpose(0, 1)
         q_at, k_at = q_at + seq.query_len, k_at + seq.kv_len
