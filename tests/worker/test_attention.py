@@ -16,7 +16,7 @@ import torch
 
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
 from tests.conftest import cuda_missing, make_vmm, needs_attention
-from worker.attention import AttentionMetadata, SeqAttention, get_backend
+from worker.attention import AttentionMetadata, SeqAttention, get_backend, reference
 
 LAYERS, HEADS, KV_HEADS, DIM = 2, 8, 2, 64
 
@@ -75,6 +75,27 @@ def test_reference_over_paged_rows_equals_reference_over_virtual_rows(case):
     assert torch.equal(q, q2)
     assert torch.allclose(run(virtual, "torch", seqs_v, q, "cpu"), run(paged, "paged", seqs_p, q, "cpu"), atol=1e-5)
     virtual.close()
+
+
+@pytest.mark.parametrize("batch_rows", [1 << 18, 600])  # 600: the decode rows split into several batches
+def test_the_references_batched_decode_rows_equal_each_row_computed_alone(monkeypatch, batch_rows):
+    """Decode rows go to SDPA in batches over K/V padded to the longest sequence; each row still attends to exactly
+    its own sequence's keys (checked in float64, one row at a time), prefill chunks beside them too."""
+    monkeypatch.setattr(reference, "DECODE_BATCH_ROWS", batch_rows)
+    lengths = [(1, 513), (64, 400), (1, 1), (1, 90)]
+    cache, seqs, q = setup("virtual", "mega", "cpu", lengths)
+    out = run(cache, "torch", seqs, q, "cpu")
+    meta = AttentionMetadata.build(seqs, cache, torch.device("cpu"), "rows")
+    k_rows, v_rows = cache.rows(1)
+    row = 0
+    for (_, seq, k, v) in reference.gathered(k_rows, v_rows, meta):
+        for j in range(seq.query_len):
+            seen = seq.kv_len - seq.query_len + j + 1
+            ks, vs = (t[:, :seen].double().repeat_interleave(HEADS // KV_HEADS, 0) for t in (k, v))
+            weights = torch.softmax(q[row + j].double()[:, None, :] @ ks.transpose(1, 2) / DIM ** 0.5, -1)
+            assert torch.allclose(out[row + j].double(), (weights @ vs)[:, 0], atol=1e-5)
+        row += seq.query_len
+    cache.close()
 
 
 def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
