@@ -9,8 +9,9 @@ poll simply returns bigger outputs (outputs are cumulative), so a slow ingress f
 Where the engine deployment has one replica there is nothing to route: the ingress sends its calls to that replica's
 scheduler actor itself, once a call through Serve named it. That takes two hops off every request's way in (the
 handle's call through Serve's router, and the replica's to its scheduler): on the 2-core CPU box, one client's TTFT
-p50 went from 19.5 to 12.4 ms (``bench/results/serving_direct_ab_cpu.json``). A scheduler that is gone, failed or draining (its replica being stopped in a rolling update)
-sends the call back to Serve, which knows the replica that replaced it.
+p50 went from 19.5 to 12.4 ms (``bench/results/serving_direct_ab_cpu.json``). A scheduler that is gone, failed or
+draining (its replica being stopped in a rolling update) sends the call back to Serve, which knows the replica that
+replaced it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from worker.sampling import SamplingParams
 POLL_S = 1.0
 #: Times a call is sent again after the engine replica it went to was stopping, gone or dead (each time through Serve).
 ADD_RETRIES = 3
+#: Seconds before the first such call through Serve again, doubling after each (Serve's router may not have heard yet
+#: that the replica it chose is stopping).
+ADD_BACKOFF_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,9 @@ class OutputCollector:
                 if retries == ADD_RETRIES or not elsewhere:
                     raise
                 retries += 1
-                if direct is not None and self._scheduler is direct:  # not one another call learned since
+                if direct is None:
+                    await asyncio.sleep(ADD_BACKOFF_S * 2 ** (retries - 1))
+                elif self._scheduler is direct:  # not one another call learned since
                     self._scheduler = None
                 continue
             if self.direct:
