@@ -18,7 +18,7 @@ past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over
 ``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size;
 ``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2``, ``vattn-pp2-p2p``, ``vattn-pp2-ring``: with ``--tp 2``,
 the two GPUs as pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
-peer memory).
+peer memory; ``vattn-depth3``: three steps in flight, ``async_depth=3``).
 """
 
 from __future__ import annotations
@@ -114,6 +114,8 @@ VATTN_SIDES = {
     "vattn-pp2-ring": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "pipeline_handoff": "ring"},
     # With ``--tp N``: every sum on NCCL, not the small ones through peer memory (worker/peer_all_reduce.py)
     "vattn-nccl": {"disable_custom_all_reduce": True},
+    # Three steps in flight, not two: the host's round trip between steps gets two steps of device time
+    "vattn-depth3": {"async_depth": 3},
 }
 VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
                   "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)}}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import re
 import statistics
 import time
 import traceback
@@ -125,9 +126,9 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     every TP sum on NCCL, none through peer memory (``disable_custom_all_reduce=True``), ``/overlap`` prefill
     products of 2048 rows or more in halves whose sums overlap (``tp_overlap_rows=2048``), ``/mbN`` N
     micro-batches in flight with pipeline stages (``pipeline_micro_batches``), ``/p2p`` the stages' own hand-off
-    (``pipeline_handoff="p2p"``), ``/ring`` with the last stage's tokens handed back to the first (``"ring"``);
-    ``#k`` names a repeat. The warm-up runs every prompt's first ``warmup_tokens``;
-    ``options`` go to the engine as they are."""
+    (``pipeline_handoff="p2p"``), ``/ring`` with the last stage's tokens handed back to the first (``"ring"``),
+    ``/depthN`` N steps in flight with async scheduling (``async_depth``); ``#k`` names a repeat. The warm-up runs
+    every prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
     graphs = False if "/eager" in name else True if "/graphs" in name else None
@@ -138,6 +139,9 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         parallel["pipeline_handoff"] = "p2p" if "/p2p" in name else "ring"
     for mode in ("/sync", "/async", "/eager", "/graphs", "/nccl", "/overlap", "/p2p", "/ring"):
         name = name.replace(mode, "")
+    if depth := re.search(r"/depth(\d+)", name):
+        parallel["async_depth"] = int(depth[1])
+        name = name.replace(depth[0], "")
     spec, _, where = name.partition("@")
     layout, _, attention = spec.partition(":")
     where, *dims = where.split("/")

@@ -89,6 +89,11 @@ class EngineConfig:
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
     async_scheduling: bool | None = None
+    # Steps in flight with async scheduling (one pipeline stage): 2 queues step k+1 behind step k; 3 queues k+2 too, so
+    # that the host's round trip between a step's end and the launch of the one after next (the workers' reply, the
+    # scheduler, the step's transport and the workers' launch) has two steps of device time instead of one. A TP=2
+    # decode step is half a TP=1 one while that round trip is not. A stop token is then found two steps late.
+    async_depth: int = 2
     # The same request gives the same tokens whatever else is in the batch, however its prompt is chunked, preempted
     # or not: batch-invariant matmuls, attention ("invariant") and all-reduce (docs/deterministic.md).
     deterministic: bool = False
@@ -119,13 +124,14 @@ class EnginePlan:
     ledger_spec: KVCacheSpec
     num_pages: int  # 0 until ``sized`` where the pools are a fraction of the workers' free memory
     async_scheduling: bool = False  # schedule and queue step k+1 while step k runs (see ``cluster.engine_core``)
+    async_depth: int = 2  # the steps in flight with async scheduling (``EngineConfig.async_depth``)
 
     @property
     def steps_in_flight(self) -> int:
-        """The most steps the engine keeps in flight: two with async scheduling, the micro-batches with pipeline
-        parallelism (one a stage unless ``pipeline_micro_batches`` says otherwise) and one more in a token ring (a
-        micro-batch's next step queued behind the step whose tokens it takes), else one."""
-        return 2 if self.async_scheduling else self.scheduler.micro_batches + bool(self.scheduler.token_ring)
+        """The most steps the engine keeps in flight: ``async_depth`` with async scheduling, the micro-batches with
+        pipeline parallelism (one a stage unless ``pipeline_micro_batches`` says otherwise) and one more in a token ring
+        (a micro-batch's next step queued behind the step whose tokens it takes), else one."""
+        return self.async_depth if self.async_scheduling else self.scheduler.micro_batches + bool(self.scheduler.token_ring)
 
     @property
     def is_sized(self) -> bool:
@@ -274,6 +280,10 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     ahead = config.async_scheduling if config.async_scheduling is not None else True
     if not isinstance(ahead, bool):
         raise ValueError(f"async_scheduling must be a bool or None, got {config.async_scheduling!r}")
+    depth = config.async_depth
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= 4:
+        raise ValueError(f"async_depth must be an int in [2, 4] (steps in flight with async scheduling), got "
+                         f"{config.async_depth!r}")
     micro = config.pipeline_micro_batches
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or pp == 1):
         raise ValueError(f"pipeline_micro_batches must be None or an int >= 1 with pipeline_parallel_size > 1, got "
@@ -376,7 +386,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]
     unsized = EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, 0,
-                         overlap)
+                         overlap, config.async_depth)
     if config.kv_memory_fraction is not None or config.gpu_memory_utilization is not None:
         return unsized  # the executor sizes it once the workers' weights are in (``EnginePlan.sized``)
     pages = min(_pages_within(workers, [config.kv_memory] * len(workers)))

@@ -235,7 +235,10 @@ class EngineCore:
             error, self._deferred = self._deferred, None
             raise error
         start = time.perf_counter()
-        submitted = len(self._in_flight) < self._depth and self._submit_next()
+        # Not past a step whose draw waits for grammar masks: they come once the step before it is read, and the
+        # workers launch nothing behind a draw not queued yet (with more than two steps in flight).
+        submitted = (len(self._in_flight) < self._depth and not (self._in_flight and self._in_flight[-1].late)
+                     and self._submit_next())
         if not self._in_flight:
             if self.scheduler.has_work and not self.scheduler.running:
                 raise RuntimeError("no waiting request fits in the KV cache and nothing runs to free memory")

@@ -11,7 +11,8 @@ A step's progress counts when it is scheduled, so the next step can be scheduled
 (async scheduling): a sequence whose token is still being sampled is ``pending``; the next step feeds that
 token back as a placeholder its worker fills in, and a sequence whose pending token is its last by length
 is left out. ``postprocess`` then drops a token sampled for a sequence that ended meanwhile (a stop token
-found one step late, an abort).
+found one step late, an abort). With more steps in flight (``EngineConfig.async_depth``) a sequence has a token
+pending from each; a step's placeholder is always the token the step just before it draws.
 
 With pipeline parallelism the steps in flight are micro-batches over disjoint sequences (``micro_batches``, vLLM's
 virtual engines): the first stage computes one while the next stage computes another. Each step takes at most its
@@ -152,7 +153,9 @@ class Scheduler:
             return False
         if self.config.token_ring:
             return seq.pending == 1 and self.rounds - seq.scheduled_round >= self.config.token_ring
-        return self.config.micro_batches == 1
+        # The worker fills a placeholder from the step launched just before: with more than two steps in flight a
+        # sequence that missed that step (no budget left) waits until its token is read.
+        return self.config.micro_batches == 1 and seq.scheduled_round == self.rounds - 1
 
     @property
     def step_seqs(self) -> int:
@@ -192,12 +195,14 @@ class Scheduler:
                     return False
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
-        most, disjoint = self.step_seqs, self.config.micro_batches > 1
+        most = self.step_seqs
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(out.scheduled) < most):
             seq = self.waiting[0]
-            if seq.pending and disjoint:
-                break  # preempted while its token was sampled: it comes back with that token (first come, first served)
+            if seq.pending:
+                # Preempted while its token was sampled, by a step before the last (the worker fills a placeholder
+                # only from the last): it comes back with that token (first come, first served).
+                break
             hit = self._cached_prefix(seq)
             try:
                 slot = self.kv.alloc_slot(self._full_length(seq), self.kv.slot_holding(hit[0]) if hit else None)

@@ -10,10 +10,14 @@
 #   call 5:          carry [".sdist", ".gpu/vllm/p5"]     bash tools/gpu_chain.sh builds [pytest args]
 #                    (".gpu/vllm/p5" with --vllm only; the builds and vLLM's install run in the background, the GPU
 #                    tests named by the pytest args meanwhile, their log in $OUT)
-#   call 6:          carry [".gpu/ray1"]                  bash tools/gpu_chain.sh ray1
+#   call 6:          carry [".gpu/ray1", ".gpu/vcache"]   bash tools/gpu_chain.sh ray1
+#                    (".gpu/vcache": vLLM's and FlashInfer's caches from an earlier run, where `save-caches` kept them:
+#                    vLLM's first start at TP=2 compiled for ~300 s without them)
 #   call 7:          carry [".gpu/ray2", ".gpu/whl", ".gpu/pyspy"]
 #                                                         bash tools/gpu_chain.sh start '<job>'
 #   calls 8...:      bash tools/gpu_chain.sh poll 540     (timeout 580; until it says "finished"), then give_back
+#   once, after:     bash tools/gpu_chain.sh save-caches   (vLLM's and FlashInfer's caches to $OUT in 15 MB parts;
+#                    here: cat the parts into .gpu/vcache/vcache.tgz)
 #
 # The job runs in a copy of the repository with PYTHONPATH=$PWD:/tmp/raysite:/tmp/fa_build:/tmp/fa3 and NCCL's and
 # torch's multicast off, once both builds have ended; it writes under $BG_OUT. `step NAME SECONDS CMD...` in a job runs
@@ -30,10 +34,10 @@ cutlass_rev=dc4817921edda44a549197ff3a9dcf5df0636e7b
 
 prepare() {
   cd "$root" || exit 1
-  local keep=/tmp/gpu_chain_keep.$$ part  # vLLM's and FlashInfer's parts: gpu_ray_wheels.sh starts with rm -rf .gpu
-  mkdir -p $keep && for part in vllm fi; do [ -d .gpu/$part ] && mv .gpu/$part $keep/; done
+  local keep=/tmp/gpu_chain_keep.$$ part  # vLLM's, FlashInfer's parts, the caches: gpu_ray_wheels.sh does rm -rf .gpu
+  mkdir -p $keep && for part in vllm fi vcache; do [ -d .gpu/$part ] && mv .gpu/$part $keep/; done
   ../shared/tools/gpu_ray_wheels.sh; rc=$?
-  for part in vllm fi; do [ -d $keep/$part ] && mkdir -p .gpu && mv $keep/$part .gpu/; done; rmdir $keep
+  for part in vllm fi vcache; do [ -d $keep/$part ] && mkdir -p .gpu && mv $keep/$part .gpu/; done; rmdir $keep
   [ $rc = 0 ] || exit 1
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
@@ -126,7 +130,11 @@ case $cmd in
   prepare) prepare "$@";;
   vllm-part) mkdir -p /tmp/vc && cp .gpu/vllm/p"$1"/* /tmp/vc/ && ls /tmp/vc;;
   builds) builds "$@";;
-  ray1) mkdir -p /tmp/vattn && cp .gpu/ray1/* /tmp/vattn/ && ls /tmp/vattn;;
+  ray1) mkdir -p /tmp/vattn && cp .gpu/ray1/* /tmp/vattn/ && ls /tmp/vattn
+        if [ -f .gpu/vcache/vcache.tgz ]; then mkdir -p /root/.cache && tar xzf .gpu/vcache/vcache.tgz -C /root/.cache \
+          && echo "vLLM's and FlashInfer's caches restored"; fi;;
+  save-caches) tar czf /tmp/vcache.tgz -C /root/.cache vllm flashinfer && split -b 15M /tmp/vcache.tgz "$OUT/vcache.tgz.part_" \
+          && ls -la "$OUT";;
   start) start "$@";;
   job) job "$@";;
   step) step "$@";;

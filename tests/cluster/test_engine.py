@@ -531,10 +531,11 @@ class CountsInFlight(Around):
         return Counted()
 
 
+@pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_async_scheduling_gives_the_sync_engines_outputs(mode):
-    """Two steps in flight, tokens fed back as placeholders, stops found a step late, preemption of sequences
-    in flight, n > 1 forks from a parent still in flight: the same outputs as one step at a time."""
+def test_async_scheduling_gives_the_sync_engines_outputs(mode, depth):
+    """Two (or three) steps in flight, tokens fed back as placeholders, stops found a step (two) late, preemption of
+    sequences in flight, n > 1 forks from a parent still in flight: the same outputs as one step at a time."""
     prompts = ["abc", "hello there", list(range(5, 60)), "the quick brown fox", list(range(90, 100)), "zz"]
     tiny = dict(kv_memory=12 * 8192, max_num_seqs=6, max_model_len=128, page_size=4096, device="cpu",
                 max_num_batched_tokens=24, preemption_mode=mode, swap_space=1 << 20)  # 12 pages: preempts
@@ -551,14 +552,14 @@ def test_async_scheduling_gives_the_sync_engines_outputs(mode):
         ]
 
     def run_all(overlap: bool, stop_id: int | None):
-        with LLM("tiny", async_scheduling=overlap, **tiny) as llm:
+        with LLM("tiny", async_scheduling=overlap, async_depth=depth, **tiny) as llm:
             llm.core.executor = counting = CountsInFlight(llm.core.executor)
             outputs = llm.generate(prompts, params(stop_id))
             llm.core.executor = counting.inner
             assert llm.core.ledger.accounting() == llm.cache.accounting()
             assert (llm.cache.stats().slots_in_use, llm.cache.stats().used_bytes) == (0, 0)
             assert llm.scheduler.num_preemptions > 0 and counting.in_flight == 0
-            assert counting.most == (2 if overlap else 1)
+            assert counting.most == (depth if overlap else 1)
             return [[(c.token_ids, c.finish_reason, c.text, c.logprobs) for c in o.outputs] for o in outputs]
 
     plain = run_all(False, None)

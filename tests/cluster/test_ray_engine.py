@@ -166,6 +166,28 @@ def test_pipeline_stages_compute_micro_batches_of_other_sequences_at_once():
             assert_in_step(llm)
 
 
+def test_three_steps_in_flight_at_tp2_give_the_in_process_engines_tokens():
+    """``async_depth=3`` over Ray at TP=2: each call queues a step while the two before it are in flight and returns
+    the tokens of the oldest; under preemption, n > 1 forks and stops found two steps late the tokens are the in-process
+    engine's (one step at a time), and every worker ends at zero."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(5, 60))] for _ in range(12)]
+    params = [SamplingParams(max_tokens=rng.randint(4, 24), temperature=0, ignore_eos=True) for _ in prompts]
+    params[3] = SamplingParams(max_tokens=16, temperature=1.0, n=2, seed=4, ignore_eos=True)
+    kw = dict(SMALL, dtype="float32", max_num_batched_tokens=40, kv_memory=96 << 10)
+    with LLM("tiny", async_scheduling=False, **kw) as local:
+        want = [[list(c.token_ids) for c in o.outputs] for o in local.generate(prompts, params)]
+        stop = want[0][0][2]
+    params[0] = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    want[0][0] = want[0][0][: want[0][0].index(stop) + 1]
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, async_depth=3, **kw) as llm:
+        assert [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, params)] == want
+        snap = llm.snapshot()
+        assert snap.num_preemptions > 0 and snap.num_overlapped_steps > snap.num_steps // 2
+        assert all(w.slots_in_use == 0 and w.used_bytes == 0 for w in snap.workers)
+        assert_in_step(llm)
+
+
 def test_a_kv_memory_fraction_sizes_every_pool_once_the_weights_are_in(hf_llama):
     import psutil
 
@@ -395,6 +417,10 @@ def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an int >= 1, got 0"),
         (dict(preemption_mode="drop"), "preemption_mode must be 'recompute' or 'swap', got 'drop'"),
         (dict(async_scheduling="yes"), "async_scheduling must be a bool or None, got 'yes'"),
+        (dict(async_depth=1), r"async_depth must be an int in \[2, 4\] \(steps in flight with async scheduling\), "
+                              "got 1"),
+        (dict(async_depth=True), r"async_depth must be an int in \[2, 4\] \(steps in flight with async scheduling\), "
+                                 "got True"),
         (dict(tp_overlap_rows=-1), r"tp_overlap_rows must be an int >= 0 \(0: off\), got -1"),
         (dict(pipeline_micro_batches=3), "pipeline_micro_batches must be None or an int >= 1 with "
                                          "pipeline_parallel_size > 1, got 3 with pipeline_parallel_size=1"),

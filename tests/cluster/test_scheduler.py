@@ -127,6 +127,30 @@ def test_a_step_scheduled_while_the_last_one_runs():
     assert [(s.seq, s.start, s.num_tokens) for s in out.scheduled][0] == (child, 0, 17)  # computes the prompt anew
 
 
+def test_three_steps_in_flight_continue_on_the_step_befores_token_and_readmit_only_known_tokens():
+    """``async_depth=3``: each step is scheduled while the two before it run. A running sequence takes each step on a
+    placeholder for the token the step just before it draws (three pending at most); one preempted while its token was
+    drawn two steps back waits until that token is read (the worker fills placeholders only from the step just
+    before), then comes back with it known."""
+    ledger = PageLedger(SPEC, 4, keeps_pages_on_free=True)  # 4 pages of 16 tokens
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256), ledger)
+    a, z, p = add(scheduler, 32, max_tokens=8), add(scheduler, 8), add(scheduler, 15)
+    first = scheduler.schedule()  # every page taken
+    assert [s.seq for s in first.scheduled] == [a, z, p] and p.pending == 1
+    second = scheduler.schedule()  # a's 33rd token needs a page: the latest arrival goes, its token in flight
+    assert [(s.seq, s.start, s.num_tokens) for s in second.scheduled] == [(a, 32, 1), (z, 8, 1)]
+    assert second.preempted == [p] and (p.status, p.pending, p.num_computed) == (SeqStatus.WAITING, 1, 0)
+    scheduler.finish(z, "abort")  # room for p again
+    third = scheduler.schedule()
+    assert [(s.seq, s.start, s.num_tokens, s.num_samples) for s in third.scheduled] == [(a, 33, 1, 1)]
+    assert a.pending == 3 and list(scheduler.waiting) == [p]  # p's token, drawn by `first`, is not known yet
+    scheduler.postprocess(first, sample_all(first))
+    assert (p.pending, len(p.token_ids)) == (0, 16)
+    fourth = scheduler.schedule()
+    assert [(s.seq, s.start, s.num_tokens, s.num_samples) for s in fourth.scheduled] == [(a, 34, 1, 1), (p, 0, 16, 1)]
+    assert all(s.start + s.num_tokens <= len(s.seq.token_ids) for s in fourth.scheduled if s.seq is p)
+
+
 def test_micro_batches_take_other_sequences_and_never_one_whose_token_is_in_flight():
     """Pipeline parallelism, two micro-batches: the step scheduled while the first one runs takes other sequences (a
     step at most half of max_num_seqs), never one whose token is still drawn (no placeholder: the first stage never

@@ -28,8 +28,9 @@ CASES = {
 @pytest.fixture(scope="module")
 def engines():
     kw = dict(device="cpu", max_model_len=512, kv_memory=32 << 20, max_num_seqs=8)
-    with LLM("tiny", **kw) as overlapped, LLM("tiny", async_scheduling=False, **kw) as sync:
-        yield overlapped, sync
+    with (LLM("tiny", **kw) as overlapped, LLM("tiny", async_scheduling=False, **kw) as sync,
+          LLM("tiny", async_depth=3, **kw) as deeper):
+        yield overlapped, sync, deeper
 
 
 @pytest.mark.parametrize("kind", CASES)
@@ -47,7 +48,7 @@ def test_sampled_outputs_match_their_structure_launched_ahead_or_not(engines, ki
                 assert c.finish_reason == "stop" and valid(c.text), (kind, c.text)
         assert len(outs[1].outputs[0].token_ids) == 30  # the free request beside them runs as it would alone
         assert llm.core.ledger.accounting() == llm.cache.accounting() and not llm.scheduler.running
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
 
 
 @pytest.mark.parametrize(("spec", "message"), [
