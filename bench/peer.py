@@ -18,7 +18,8 @@ past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over
 ``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size;
 ``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2``, ``vattn-pp2-p2p``, ``vattn-pp2-ring``: with ``--tp 2``,
 the two GPUs as pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
-peer memory; ``vattn-depth3``: three steps in flight, ``async_depth=3``).
+peer memory; ``vattn-depth3``: three steps in flight, ``async_depth=3``; ``vattn-lamport``: with ``--tp N``, the small
+sums through our Lamport kernel, ``VATTN_PEER_ALL_REDUCE=lamport``; ``vattn-lamport-depth3``: both).
 """
 
 from __future__ import annotations
@@ -116,9 +117,13 @@ VATTN_SIDES = {
     "vattn-nccl": {"disable_custom_all_reduce": True},
     # Three steps in flight, not two: the host's round trip between steps gets two steps of device time
     "vattn-depth3": {"async_depth": 3},
+    "vattn-lamport": {},  # TP's small sums through our Lamport kernel, not torch's one-shot (environment below)
+    "vattn-lamport-depth3": {"async_depth": 3},  # both
 }
 VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
-                  "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)}}
+                  "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)},
+                  "vattn-lamport": {"VATTN_PEER_ALL_REDUCE": "lamport"},
+                  "vattn-lamport-depth3": {"VATTN_PEER_ALL_REDUCE": "lamport"}}
 
 WORKLOADS = {
     "w1": Workload("llama-3-8b", 128, 512, 2048, 128, "W1: 128 prompts of 512-2048 tokens, 128 out"),

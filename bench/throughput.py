@@ -12,7 +12,9 @@ copy bandwidth).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import random
 import re
 import statistics
@@ -127,8 +129,9 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     products of 2048 rows or more in halves whose sums overlap (``tp_overlap_rows=2048``), ``/mbN`` N
     micro-batches in flight with pipeline stages (``pipeline_micro_batches``), ``/p2p`` the stages' own hand-off
     (``pipeline_handoff="p2p"``), ``/ring`` with the last stage's tokens handed back to the first (``"ring"``),
-    ``/depthN`` N steps in flight with async scheduling (``async_depth``); ``#k`` names a repeat. The warm-up runs
-    every prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
+    ``/depthN`` N steps in flight with async scheduling (``async_depth``), ``/lamport`` TP's small sums through our
+    Lamport kernel (``VATTN_PEER_ALL_REDUCE=lamport``, which the Ray workers take from this process); ``#k`` names a
+    repeat. The warm-up runs every prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
     graphs = False if "/eager" in name else True if "/graphs" in name else None
@@ -137,7 +140,8 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         parallel["tp_overlap_rows"] = 2048
     if "/p2p" in name or "/ring" in name:
         parallel["pipeline_handoff"] = "p2p" if "/p2p" in name else "ring"
-    for mode in ("/sync", "/async", "/eager", "/graphs", "/nccl", "/overlap", "/p2p", "/ring"):
+    switches = {"VATTN_PEER_ALL_REDUCE": "lamport"} if "/lamport" in name else {}
+    for mode in ("/sync", "/async", "/eager", "/graphs", "/nccl", "/overlap", "/p2p", "/ring", "/lamport"):
         name = name.replace(mode, "")
     if depth := re.search(r"/depth(\d+)", name):
         parallel["async_depth"] = int(depth[1])
@@ -155,7 +159,7 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
                   distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
                   async_scheduling=overlap, cuda_graphs=graphs, **parallel)
     begun = time.perf_counter()
-    with LLM(model, **(engine | options)) as llm:
+    with environment(switches), LLM(model, **(engine | options)) as llm:
         startup = time.perf_counter() - begun  # weights, KV pool, the runner's warm-ups (graphs come at the first decode)
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
@@ -191,6 +195,21 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         "device_s": worker.device_seconds - before.workers[0].device_seconds,
         "engine_step_s": after.step_seconds - before.step_seconds,
     }
+
+
+@contextlib.contextmanager
+def environment(switches: dict[str, str]):
+    """``switches`` in this process's environment for the ``with`` block, the environment as it was after."""
+    before = {k: os.environ.get(k) for k in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def in_process_peer(name: str) -> str:

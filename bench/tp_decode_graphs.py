@@ -3,13 +3,14 @@
 then decode steps eager and in CUDA graphs (the all-reduces captured in each rank's graphs). Per TP size: ms per
 prefill step of ``--chunk`` tokens and per decode step of ``--batch`` sequences, and the ratio to TP=1.
 With several ranks, each ``--all-reduce`` in turn: ``nccl`` (every sum), ``peer`` (small sums through peer memory,
-``worker.peer_all_reduce``), ``overlap`` (peer, and prefill products of ``--overlap-rows`` rows or more in halves
-whose sums overlap the next half's product: ``TPGroup.overlap_rows``), ``none`` (no sums at all: wrong tokens, the
-communication's share of a step). ``--profile N``: N more decode steps of each kind under torch.profiler on rank 0,
-its kernel time by kind (matmul, attention, all-reduce, norm, ...) per step: what a TP rank's step does not halve.
+``worker.peer_all_reduce``: torch's one-shot kernel), ``lamport`` (the same through our Lamport kernel), ``overlap``
+(peer, and prefill products of ``--overlap-rows`` rows or more in halves whose sums overlap the next half's product:
+``TPGroup.overlap_rows``), ``none`` (no sums at all: wrong tokens, the communication's share of a step). ``--profile
+N``: N more decode steps of each kind under torch.profiler on rank 0, its kernel time by kind (matmul, attention,
+all-reduce, norm, ...) per step: what a TP rank's step does not halve.
 
-    python bench/tp_decode_graphs.py --tp 1 2 [--all-reduce nccl peer overlap none] [--model llama-3-8b] [--batch 128]
-        [--attention flash_attn] [--profile 5]
+    python bench/tp_decode_graphs.py --tp 1 2 [--all-reduce nccl peer lamport overlap none] [--model llama-3-8b]
+        [--batch 128] [--attention flash_attn] [--profile 5]
 """
 
 from __future__ import annotations
@@ -94,8 +95,11 @@ def rank_main(rank: int, size: int, mode: str, init: str, args: argparse.Namespa
         tp = TPGroup()
         if size > 1:
             tp = TPGroup(rank, size, overlap_rows=args.overlap_rows if mode == "overlap" else 0)
-            peer = NoSums() if mode == "none" else PeerAllReduce.connect(tp, device) if mode in ("peer", "overlap") else None
-            if mode in ("peer", "overlap") and peer is None:
+            kernel = "lamport" if mode == "lamport" else "one_shot"
+            peers = ("peer", "lamport", "overlap")
+            peer = (NoSums() if mode == "none" else
+                    PeerAllReduce.connect(tp, device, kernel=kernel) if mode in peers else None)
+            if mode in peers and peer is None:
                 raise RuntimeError(f"--all-reduce {mode}: symmetric memory failed here (see the warning)")
             tp = replace(tp, peer=peer)
         model = build_model(args.model, torch.bfloat16, device, tp, seed=0)
@@ -174,7 +178,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=8192)
-    parser.add_argument("--all-reduce", nargs="+", default=["nccl", "peer"], choices=["nccl", "peer", "overlap", "none"])
+    parser.add_argument("--all-reduce", nargs="+", default=["nccl", "peer"],
+                        choices=["nccl", "peer", "lamport", "overlap", "none"])
     parser.add_argument("--overlap-rows", type=int, default=2048)
     parser.add_argument("--attention", default="fa2")
     parser.add_argument("--warmup", type=int, default=3)

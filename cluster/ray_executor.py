@@ -5,6 +5,7 @@ states go on to the next stage's ranks (NCCL on GPUs), and only reports and samp
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
@@ -144,7 +145,10 @@ class RayExecutor:
 
     def _spawn(self) -> None:
         gpu = self.plan.device == "cuda"
-        env = {"env_vars": CUDA_ENV} if gpu else {}
+        # The workers run with this process's VATTN_ switches (kernels on or off, which ones), wherever Ray starts them
+        switches = {k: v for k, v in os.environ.items() if k.startswith("VATTN_")}
+        env_vars = (CUDA_ENV if gpu else {}) | switches
+        env = {"env_vars": env_vars} if env_vars else {}
         group = uuid.uuid4().hex[:8]
         for i, config in enumerate(self.plan.workers):
             first = self._placement.first_bundle if self._placement is not None else 0

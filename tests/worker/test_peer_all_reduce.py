@@ -1,7 +1,7 @@
-"""The peer-memory all-reduce on two GPUs (two processes, NCCL beside it): the same sums as NCCL's, eagerly and
-replayed from a CUDA graph, and NCCL for what it does not take; whether processes that see one GPU each (as
-Ray lends them) can share peer memory at all; and the ranks' agreement on a failure, over gloo, not waiting for the
-device."""
+"""The peer-memory all-reduce on two GPUs (two processes, NCCL beside it), torch's one-shot kernel and our Lamport
+kernel: the same sums as NCCL's, eagerly and replayed from a CUDA graph, and NCCL for what it does not take; whether
+processes that see one GPU each (as Ray lends them) can share peer memory at all; and the ranks' agreement on a
+failure, over gloo, not waiting for the device."""
 
 from __future__ import annotations
 
@@ -32,22 +32,22 @@ def _join(rank: int, init: str, isolated: bool) -> torch.device:
     return device
 
 
-def _two_ranks(fn, tmp_path) -> list:
-    """What ``fn(rank, init, out)`` saved on each of two ranks, one process and GPU each."""
+def _two_ranks(fn, tmp_path, *args) -> list:
+    """What ``fn(rank, init, out, *args)`` saved on each of two ranks, one process and GPU each."""
     if cuda_missing():
         pytest.skip(cuda_missing())
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     out = str(tmp_path / "saved")
-    mp.spawn(fn, args=(f"file://{tmp_path}/rendezvous", out), nprocs=2, join=True)
+    mp.spawn(fn, args=(f"file://{tmp_path}/rendezvous", out, *args), nprocs=2, join=True)
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 
-def _rank(rank: int, init: str, out: str) -> None:
+def _rank(rank: int, init: str, out: str, kernel: str) -> None:
     device = _join(rank, init, isolated=False)
     try:
         nccl = TPGroup(rank, 2)
-        peer = PeerAllReduce.connect(nccl, device)
+        peer = PeerAllReduce.connect(nccl, device, kernel=kernel)
         assert peer is not None, "symmetric memory failed on this machine (the warning says why)"
         tp = TPGroup(rank, 2, peer=peer)
         g = torch.Generator(device=device).manual_seed(rank)
@@ -55,8 +55,15 @@ def _rank(rank: int, init: str, out: str) -> None:
         for dtype in (torch.bfloat16, torch.float32):
             for rows in (1, 3, 128, 256, 1024):  # 1024 rows: 8-16 MiB, past the buffer: NCCL's
                 x = torch.randn(rows, 4096, generator=g, device=device).to(dtype)
-                assert peer.fits(x) == (rows * 4096 * x.element_size() <= peer.max_bytes)
+                x[0, :8] = -0.0  # the Lamport kernel's sentinel, which a part may hold
+                takes = dtype is torch.bfloat16 or kernel == "one_shot"  # the Lamport kernel adds 16-bit floats only
+                assert peer.fits(x) == (takes and rows * 4096 * x.element_size() <= peer.max_bytes)
                 results[f"{dtype}-{rows}"] = (tp.all_reduce(x.clone()).cpu(), nccl.all_reduce(x.clone()).cpu())
+        # Sums of every size one after another, as a step's layers make them (the Lamport kernel's three buffers
+        # in turn, each set back to the sentinel by the call after it)
+        for i, rows in enumerate([1, 7, 64, 255, 2, 128, 33] * 3):
+            x = torch.randn(rows, 4096, generator=g, device=device).to(torch.bfloat16)
+            results[f"sequence-{i}"] = (tp.all_reduce(x.clone()).cpu(), nccl.all_reduce(x.clone()).cpu())
         # A view 8 bytes off a 16-byte boundary: summed through an aligned copy, written back into the view.
         base = torch.randn(64 * 4096 + 4, generator=g, device=device).to(torch.bfloat16)
         view = base[4:].view(64, 4096)
@@ -79,6 +86,8 @@ def _rank(rank: int, init: str, out: str) -> None:
             static.copy_(x)
             graph.replay()
             results[f"graph-{i}"] = (summed.cpu(), nccl.all_reduce(x.clone()).cpu())
+            y = torch.randn(16, 4096, generator=g, device=device).to(torch.bfloat16)  # an eager sum between replays
+            results[f"between-{i}"] = (tp.all_reduce(y.clone()).cpu(), nccl.all_reduce(y.clone()).cpu())
         torch.cuda.synchronize(device)
         del graph
         torch.save(results, f"{out}.{rank}")
@@ -86,9 +95,10 @@ def _rank(rank: int, init: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_peer_sums_are_nccls_eager_and_in_a_graph(tmp_path):
-    for results in _two_ranks(_rank, tmp_path):
-        assert len(results) == 14
+@pytest.mark.parametrize("kernel", ["one_shot", "lamport"])
+def test_peer_sums_are_nccls_eager_and_in_a_graph(tmp_path, kernel):
+    for results in _two_ranks(_rank, tmp_path, kernel):
+        assert len(results) == 38
         for name, (peer, nccl) in results.items():
             assert torch.equal(peer, nccl), name  # two ranks: a + b, rounded once, whoever adds
 
