@@ -43,6 +43,7 @@ import report
 from cluster.engine import LLM
 from peer_spec import (PeerMismatch, SideResult, SideSpec, WorkloadRun, check_comparable, digest,
                        steady_running)
+from worker.heap import freeze_heap
 from worker.sampling import SamplingParams
 
 GiB = 1 << 30
@@ -256,6 +257,9 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
         workloads = [(w, w.prompts()) for w in spec.workloads]
         warm = workloads[0][1][: spec.warmup_prompts]
         vattn_generate(llm, [p[: spec.warmup_tokens] for p in warm], 8)
+        # This process is the engine's, as vLLM's engine core process is its: its start-up heap out of the garbage
+        # collector's sight, as vLLM's is once warm (worker/heap.py; the Ray processes do it themselves)
+        freeze_heap("vattn side")
         for round_ in range(spec.reps):
             for run, prompts in workloads:
                 vattn_round(llm, result, run, prompts, round_)

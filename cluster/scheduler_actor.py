@@ -16,6 +16,7 @@ from cluster.outputs import RequestOutput
 from cluster.ray_executor import RayExecutor
 from cluster.telemetry import EngineSnapshot
 from kvmem.stats import PageMap, SlotAccounting
+from worker.heap import freeze_heap
 from worker.sampling import SamplingParams
 from worker.tokenizer import Tokenizer, load_tokenizer
 
@@ -84,6 +85,7 @@ class SchedulerActor:
         except BaseException as exc:  # raised to the client by ready(), which then kills this actor
             self._error = exc
             return
+        freeze_heap("scheduler actor")  # this process is the engine's
         self._thread = threading.Thread(target=self._loop, name="vattn-step-loop", daemon=True)
         self._thread.start()
 

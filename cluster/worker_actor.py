@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from cluster.stage_link import StageLink
 from kvmem.stats import PageMap, SlotAccounting
+from worker.heap import freeze_heap
 from worker.messages import StepInput, WorkerOutput
 from worker.worker import Worker, WorkerConfig
 
@@ -60,6 +61,7 @@ class WorkerActor:
         self._hidden_dtype = next(self.worker.model.parameters()).dtype
         # Hidden states for the next stage: NCCL channels take GPU tensors (one reader), shm channels host ones.
         self._hidden_device = self.worker.device if cfg.device == "cuda" and cfg.tp_size == 1 else torch.device("cpu")
+        freeze_heap(f"worker pp{cfg.pp_rank} tp{cfg.tp_rank}")
 
     def _select_device(self) -> None:
         """Ray runs an actor's calls on several threads (the compiled graph's loop holds one of them), and a
@@ -76,6 +78,7 @@ class WorkerActor:
     def allocate(self, pool_bytes: int) -> None:
         self._select_device()
         self.worker.allocate(pool_bytes)
+        freeze_heap(f"worker pp{self.config.pp_rank} tp{self.config.tp_rank}, its pool")
 
     def execute(self, step: StepInput, inputs: torch.Tensor | int | None = None):
         """The step; a stage before the last returns its hidden states for the next one (on its GPU when

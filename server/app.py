@@ -21,6 +21,7 @@ from server.engine import EngineServer
 from server.outputs import OutputCollector
 from server.routing import STATS_PERIOD_S, KVAwareRouter
 from server.serving import ServerSettings
+from worker.heap import freeze_heap
 
 DRAIN_MARGIN_S = 10.0  # past a replica's drain, for closing its workers before Serve kills it
 
@@ -60,6 +61,7 @@ class OpenAIIngress:
         info = await self.engine.model_info.remote()
         app = build_api(self.collector, self.settings, info.name, info.max_model_len, self.num_replicas)
         app.add_middleware(BodyLimit, limit=self.settings.max_body_bytes)
+        freeze_heap("ingress")  # a full collection here would hold every stream this replica serves
         return app
 
 

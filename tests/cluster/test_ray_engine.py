@@ -4,6 +4,7 @@ a killed worker, refuses impossible shapes before anything starts, and leaves no
 
 from __future__ import annotations
 
+import gc
 import random
 import re
 import time
@@ -186,6 +187,16 @@ def test_three_steps_in_flight_at_tp2_give_the_in_process_engines_tokens():
         assert snap.num_preemptions > 0 and snap.num_overlapped_steps > snap.num_steps // 2
         assert all(w.slots_in_use == 0 and w.used_bytes == 0 for w in snap.workers)
         assert_in_step(llm)
+
+
+def test_the_engines_processes_freeze_their_start_up_heaps():
+    """The scheduler actor and every worker actor put what they built at start-up out of the garbage collector's
+    sight (``worker.heap``): a full collection there would hold a step (or both TP ranks at once) for ~0.2 s."""
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, kv_memory=8 << 20, **SMALL) as llm:
+        counts = ray.get(llm._engine.actor.__ray_call__.remote(lambda actor: (gc.get_freeze_count(), ray.get(
+            [w.__ray_call__.remote(lambda _: gc.get_freeze_count()) for w in actor.core.executor._actors]))))
+    scheduler, workers = counts
+    assert scheduler > 10_000 and len(workers) == 2 and all(w > 10_000 for w in workers), counts
 
 
 def test_a_kv_memory_fraction_sizes_every_pool_once_the_weights_are_in(hf_llama):
