@@ -13,8 +13,10 @@ each adds the parts in rank order as they arrive -- a value that is not the sent
 carries: a part's -0 is sent as +0) has arrived. The one-shot kernel's barrier is a round trip between the GPUs
 before any byte moves; here the parts move at once and the wait is for them. Three buffers take the calls in turn,
 and a call first sets the one the call before used back to the sentinel: no rank writes into it again before this
-rank's next call has sent its part, which comes after this call on this rank's stream. Which buffer a call uses is a
-counter on the device, so CUDA graphs replay the sums as eager steps run them.
+rank's next call has sent its part, which comes after this call on this rank's stream (all of it: the call before's
+element count is kept beside the counter, since a smaller sum may follow a larger one). Which buffer a call uses is a
+counter on the device, so CUDA graphs replay the sums as eager steps run them; the sums of a group must therefore come
+from one stream at a time, in the same order on every rank (as a step's layers make them).
 """
 
 from __future__ import annotations
@@ -75,8 +77,11 @@ class PeerAllReduce:
                 buffer = symm_mem.empty(3 * tp.size * max_bytes, dtype=torch.uint8, device=device)
                 buffer.view(torch.int16).fill_(SENTINEL)
                 handle = symm_mem.rendezvous(buffer, group_name)
+                if handle.buffer_ptrs[tp.rank] != buffer.data_ptr() or max_bytes % 16:
+                    raise RuntimeError(f"the Lamport kernel needs its buffer at its own address and 16-byte regions "
+                                       f"(max_bytes={max_bytes})")
                 lamport = LamportState(torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
-                                       torch.zeros(2, dtype=torch.int64, device=device), tp.rank, tp.size,
+                                       torch.zeros(3, dtype=torch.int64, device=device), tp.rank, tp.size,
                                        max_bytes // 2)
                 tp.barrier(device)  # every rank's buffers hold the sentinel before any rank sends a part
                 peer = cls(buffer, group_name, max_bytes, lamport)
@@ -128,7 +133,7 @@ class LamportState:
     of the call's programs that are done (on the device), and each region's size in elements."""
 
     ptrs: torch.Tensor  # int64 [world]
-    state: torch.Tensor  # int64 [2]
+    state: torch.Tensor  # int64 [3]: the call counter, the call's programs done, the call before's element count
     rank: int
     world: int
     region: int
@@ -147,7 +152,8 @@ if triton is not None:
     def _lamport_all_reduce(x_ptr, ptrs_ptr, state_ptr, n, region, RANK: tl.constexpr, WORLD: tl.constexpr,
                             BLOCK: tl.constexpr):
         """``x[:n]`` summed over the ranks in place. A rank's buffer is three buffers of ``WORLD`` regions of ``region``
-        elements, region r of a buffer holding rank r's part; ``state``: the call counter, and the programs done."""
+        elements, region r of a buffer holding rank r's part; ``state``: the call counter, the programs done, and the
+        call before's element count (a smaller call after a larger one must still reset all that the larger wrote)."""
         offs = tl.max_contiguous(tl.multiple_of(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < n
         # The buffers' blocks are 16-byte aligned runs (a buffer is; a region's size and a program's first element are
@@ -155,11 +161,17 @@ if triton is not None:
         # below): without it every access moved 2 bytes.
         dtype = x_ptr.dtype.element_ty
         call = tl.load(state_ptr)
+        # The call before's elements, what its buffer holds whatever this call's n is: a multiple of 8 (``fits``)
+        n_before = tl.multiple_of(tl.load(state_ptr + 2), 8)
         use, used_before = call % 3, (call + 2) % 3
         own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype))
         sentinel = tl.full([BLOCK], _SENTINEL, tl.int16).to(dtype, bitcast=True)
-        for r in tl.static_range(WORLD):  # the call before's buffer: the sentinel again, for the call after next
-            tl.store(tl.multiple_of(own + (used_before * WORLD + r) * region + offs, 16), sentinel, mask=mask)
+        lanes = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
+        for start in range(tl.program_id(0) * BLOCK, n_before, tl.num_programs(0) * BLOCK):
+            at = start + lanes  # the call before's buffer, all of it: the sentinel again, for the call after next
+            for r in tl.static_range(WORLD):
+                dst = tl.multiple_of(own + (used_before * WORLD + r) * region + at, 16)
+                tl.store(dst, sentinel, mask=at < n_before)
         bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
         # -0 would read as not arrived: it is sent as +0
         part = tl.where(bits == _SENTINEL, tl.zeros_like(bits), bits).to(dtype, bitcast=True)
@@ -180,3 +192,4 @@ if triton is not None:
         if tl.atomic_add(state_ptr + 1, 1) == tl.num_programs(0) - 1:
             tl.store(state_ptr, call + 1)
             tl.store(state_ptr + 1, 0)
+            tl.store(state_ptr + 2, n)
