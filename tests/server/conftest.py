@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -33,10 +34,10 @@ def serving(build: Callable[[], Application], num_cpus: int = 4, **run) -> Itera
 
 
 @contextmanager
-def tiny_server(kv_memory: int = 64 << 20) -> Iterator[str]:
+def tiny_server(kv_memory: int = 64 << 20, max_model_len: int = 256) -> Iterator[str]:
     """The ``tiny`` preset on CPU, one engine replica, served; yields its ``host:port`` (what the metrics and
     dashboard tests point Prometheus at)."""
-    engine = EngineConfig(model="tiny", device="cpu", kv_memory=kv_memory, max_model_len=256, page_size=4096,
+    engine = EngineConfig(model="tiny", device="cpu", kv_memory=kv_memory, max_model_len=max_model_len, page_size=4096,
                           distributed="ray")
     with serving(lambda: build_app(AppConfig(engine))) as url:
         yield url.removeprefix("http://")
@@ -50,9 +51,10 @@ def send_completions(target: str, word: str, count: int) -> None:
         assert r.status_code == 200, r.text
 
 
-def stream_to_end(url: str, out: list, body: dict) -> None:
+def stream_to_end(url: str, out: list, body: dict, started: threading.Event | None = None) -> None:
     """One streamed greedy completion of ``tiny`` (``body`` on top) into ``out``: ("done", its finish reason) when it
-    ran to its end, ("error", message) for an error event, ("cut", None) for a stream that just stopped."""
+    ran to its end, ("error", message) for an error event, ("cut", None) for a stream that just stopped; ``started``
+    is set at its first event."""
     finish = None
     with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": "a b c", "temperature": 0, "ignore_eos": True, "stream": True, **body}) as r:
@@ -63,6 +65,8 @@ def stream_to_end(url: str, out: list, body: dict) -> None:
                 out.append(("done", finish))
                 return
             event = json.loads(line[6:])
+            if started is not None:
+                started.set()
             if "error" in event:
                 out.append(("error", event["error"]["message"]))
                 return

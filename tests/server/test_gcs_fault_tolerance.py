@@ -90,16 +90,19 @@ def test_with_redis_a_worker_lost_while_the_gcs_is_down_is_rebuilt_once_it_is_ba
     the outage is served once the group is back, and nothing leaked."""
     with redis_server() as address:
         monkeypatch.setenv("RAY_REDIS_ADDRESS", address)
-        with tiny_server() as target:
+        # A stream long enough to be in flight when its worker goes, which goes as soon as the stream has begun: one of
+        # 240 tokens, 0.5 s after it was sent, had ended before the kill (CI, 2026-11-28; CPU decode steps got faster)
+        with tiny_server(max_model_len=2100) as target:
             url = f"http://{target}"
             body = {"model": "tiny", "prompt": "hello world", "max_tokens": 12, "temperature": 0}
             assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
             (worker,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("vattn-worker-")]
             pid = ray.get(ray.get_actor(worker["name"], namespace=worker["namespace"]).__ray_call__.remote(lambda _: os.getpid()))
             ends: list = []
-            stream = threading.Thread(target=stream_to_end, args=(url, ends, {"max_tokens": 240}))
+            started = threading.Event()
+            stream = threading.Thread(target=stream_to_end, args=(url, ends, {"max_tokens": 2000}, started))
             stream.start()
-            time.sleep(0.5)
+            assert started.wait(30)
             ray._private.worker._global_node.kill_gcs_server()
             os.kill(pid, signal.SIGKILL)  # ray.kill needs the GCS
             during: list[int] = []
