@@ -24,8 +24,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """The norm of ``x``; with ``residual``, ``(x + residual, its norm)`` (one kernel on CUDA)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, tp: TPGroup | None = None):
+        """The norm of ``x``; with ``residual``, ``(x + residual, its norm)`` (one kernel on CUDA); with ``tp``, ``x``
+        is this rank's part of a row-parallel product, summed over the ranks first (``TPGroup.add_norm``)."""
+        if tp is not None:
+            return tp.add_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -67,13 +70,18 @@ class Block(nn.Module):
         self.attention = Attention(config, layer, tp)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config, tp)
+        # The row-parallel products' outputs are this rank's parts, summed by the norms after them (one kernel each)
+        self.sums_in_norms = tp if tp.fuses_norms else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: AttentionStep):
         """``x`` the block before's output and ``residual`` the stream before that block (``None``: ``x`` is the
         stream) -> this block's ``(output, residual)``. The stream after a block is their sum, which the next
-        block's norm adds in its kernel: one elementwise pass fewer a layer."""
-        residual, normed = (x, self.attention_norm(x)) if residual is None else self.attention_norm(x, residual=residual)
-        h, normed = self.ffn_norm(self.attention(normed, rope, attn), residual=residual)
+        block's norm adds in its kernel: one elementwise pass fewer a layer. With ``sums_in_norms`` a block's output is
+        this rank's part, which the next block's norm sums over the ranks in that kernel too."""
+        tp = self.sums_in_norms
+        residual, normed = ((x, self.attention_norm(x)) if residual is None
+                            else self.attention_norm(x, residual=residual, tp=tp))
+        h, normed = self.ffn_norm(self.attention(normed, rope, attn), residual=residual, tp=tp)
         return self.feed_forward(normed), h
 
 
@@ -90,6 +98,7 @@ class Transformer(nn.Module):
         # Embedding and LM head stay whole on every TP rank: simple, and small next to the layers.
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size) if self.is_first else None
         self.layers = nn.ModuleList(Block(config, j, tp) for j in range(len(self.layer_range)))
+        self.sums_in_norms = tp if tp.fuses_norms else None  # the last block's output: this rank's part
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -100,7 +109,9 @@ class Transformer(nn.Module):
         h, residual = self.tok_embeddings(x) if self.is_first else x, None
         for block in self.layers:
             h, residual = block(h, residual, rope, attn)
-        return h if residual is None else h + residual
+        if residual is None:
+            return h
+        return (self.sums_in_norms.all_reduce(h) if self.sums_in_norms is not None else h) + residual
 
     def set_batch_invariant(self, on: bool) -> None:
         """Every matmul batch-invariant (``worker.batch_invariant``) or the library's, from now on (the worker

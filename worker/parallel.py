@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker import batch_invariant
+from worker.kernels import rms_norm
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,21 @@ class TPGroup:
             total = total + part
         return x.copy_(total)
 
+    @property
+    def fuses_norms(self) -> bool:
+        """Whether a row-parallel product's sum waits for the RMSNorm after it, to run as one kernel with its residual
+        add (``add_norm``): with the Lamport kernel's peer memory (``VATTN_PEER_ALL_REDUCE=lamport``), and no prefill
+        products split in halves (``overlap_rows``), which sum themselves."""
+        return self.size > 1 and getattr(self.peer, "lamport", None) is not None and not self.overlap_rows
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """``x`` (this rank's partial sum) summed over the ranks, plus ``residual``, and its RMSNorm: ``(h, normed)``,
+        one kernel where the peer memory's takes them (``PeerAllReduce.fuses``), else the sum then the norm's kernel,
+        with the same bits."""
+        if self.peer.fuses(x, residual):
+            return self.peer.all_reduce_norm(x, residual, weight, eps)
+        return rms_norm(self.all_reduce(x), weight, eps, residual)
+
     def barrier(self, device: torch.device) -> None:
         """Return once every rank's queued work on ``device`` is done and every rank got here."""
         if self.size == 1:
@@ -104,13 +120,16 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """Input features split over the TP ranks; partial sums all-reduced."""
+    """Input features split over the TP ranks; partial sums all-reduced, or left to the RMSNorm after it where the TP
+    group fuses the two (``TPGroup.fuses_norms``)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, **kw):
         super().__init__(tp.split(in_features, "in_features"), out_features, bias=False, **kw)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.fuses_norms:
+            return super().forward(x)  # this rank's part: the next norm sums it (``TPGroup.add_norm``)
         if (self.tp.size > 1 and 0 < self.tp.overlap_rows <= x.shape[0] and not self.batch_invariant
                 and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):  # a graph: one stream, one sum
             return self._overlapped(x)

@@ -40,6 +40,7 @@ DEFAULT_MAX_BYTES = 4 << 20
 KERNELS = ("one_shot", "lamport")
 SENTINEL = -32768  # 0x8000 as int16: negative zero in bfloat16 and float16 (the Lamport kernel's)
 LAMPORT_BLOCK = 2048  # elements a program sums
+MAX_FUSED_HIDDEN = 8192  # the widest row the fused sum + norm kernel takes (a program a row)
 
 
 class PeerAllReduce:
@@ -113,6 +114,22 @@ class PeerAllReduce:
         types = (torch.bfloat16, torch.float16) if self.lamport is not None else (torch.bfloat16, torch.float32)
         return x.dtype in types and x.is_contiguous() and 0 < nbytes <= self.max_bytes and nbytes % 16 == 0
 
+    def fuses(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether the sum of ``x`` and the residual add and RMSNorm after it run as one kernel (the Lamport kernel's):
+        ``fits(x)``, rows of a multiple of 8 elements up to ``MAX_FUSED_HIDDEN``, a residual of ``x``'s shape and type.
+        From shapes alone, as ``fits``."""
+        return (self.lamport is not None and self.fits(x) and x.dim() == 2 and x.shape[1] % 8 == 0
+                and x.shape[1] <= MAX_FUSED_HIDDEN and residual.shape == x.shape and residual.dtype == x.dtype
+                and residual.is_contiguous())
+
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, rms_norm(h))`` with ``h`` = ``x`` summed over the group plus ``residual``, in one kernel (``fuses``
+        must hold): ``worker.kernels.rms_norm(sum, weight, eps, residual)``'s result, to the bit."""
+        h, out = torch.empty_like(x), torch.empty_like(x)
+        self.lamport.all_reduce_norm(x, residual, weight, eps, h, out)
+        return h, out
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group, in place (``fits(x)`` must hold)."""
         if self.lamport is not None:
@@ -144,34 +161,45 @@ class LamportState:
             flat, self.ptrs, self.state, n, self.region, RANK=self.rank, WORLD=self.world, BLOCK=LAMPORT_BLOCK,
             num_warps=4)
 
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        h: torch.Tensor, out: torch.Tensor) -> None:
+        rows, hidden = x.shape
+        _lamport_all_reduce_norm[(rows,)](
+            x, residual, weight, h, out, self.ptrs, self.state, x.numel(), hidden, self.region, eps, RANK=self.rank,
+            WORLD=self.world, BLOCK=triton.next_power_of_2(hidden), num_warps=8)
+
 
 if triton is not None:
     _SENTINEL = tl.constexpr(SENTINEL)
 
+    # A rank's buffer is three buffers of ``WORLD`` regions of ``region`` elements, region r of a buffer holding rank
+    # r's part; ``state``: the call counter, the call's programs done, and the call before's element count (a smaller
+    # call after a larger one must still reset all that the larger wrote). The buffers' blocks are 16-byte aligned runs
+    # (a buffer is; a region's size, a program's first element and a row are multiples of 8 elements), which an address
+    # read from ``ptrs`` does not tell the compiler (the ``multiple_of``s): without them every access moved 2 bytes.
+
     @triton.jit
-    def _lamport_all_reduce(x_ptr, ptrs_ptr, state_ptr, n, region, RANK: tl.constexpr, WORLD: tl.constexpr,
-                            BLOCK: tl.constexpr):
-        """``x[:n]`` summed over the ranks in place. A rank's buffer is three buffers of ``WORLD`` regions of ``region``
-        elements, region r of a buffer holding rank r's part; ``state``: the call counter, the programs done, and the
-        call before's element count (a smaller call after a larger one must still reset all that the larger wrote)."""
-        offs = tl.max_contiguous(tl.multiple_of(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        mask = offs < n
-        # The buffers' blocks are 16-byte aligned runs (a buffer is; a region's size and a program's first element are
-        # multiples of 8 elements), which an address read from ``ptrs`` does not tell the compiler (``multiple_of``
-        # below): without it every access moved 2 bytes.
-        dtype = x_ptr.dtype.element_ty
+    def _lamport_begin(state_ptr, own, region, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+        """Set all of the call before's buffer back to the sentinel, for the call after next; this call's number."""
         call = tl.load(state_ptr)
-        # The call before's elements, what its buffer holds whatever this call's n is: a multiple of 8 (``fits``)
-        n_before = tl.multiple_of(tl.load(state_ptr + 2), 8)
-        use, used_before = call % 3, (call + 2) % 3
-        own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype))
-        sentinel = tl.full([BLOCK], _SENTINEL, tl.int16).to(dtype, bitcast=True)
+        n_before = tl.multiple_of(tl.load(state_ptr + 2), 8)  # a multiple of 8 (``fits``)
+        used_before = (call + 2) % 3
+        sentinel = tl.full([BLOCK], _SENTINEL, tl.int16).to(own.dtype.element_ty, bitcast=True)
         lanes = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
         for start in range(tl.program_id(0) * BLOCK, n_before, tl.num_programs(0) * BLOCK):
-            at = start + lanes  # the call before's buffer, all of it: the sentinel again, for the call after next
+            at = start + lanes
             for r in tl.static_range(WORLD):
                 dst = tl.multiple_of(own + (used_before * WORLD + r) * region + at, 16)
                 tl.store(dst, sentinel, mask=at < n_before)
+        return call
+
+    @triton.jit
+    def _lamport_sum(x_ptr, offs, mask, own, ptrs_ptr, call, region, RANK: tl.constexpr, WORLD: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """This rank's part of ``x[offs]`` into every rank's buffer, then every rank's part as it arrives, added in
+        rank order (every rank adds alike, and gets the same bits), in float32."""
+        dtype = x_ptr.dtype.element_ty
+        use = call % 3
         bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
         # -0 would read as not arrived: it is sent as +0
         part = tl.where(bits == _SENTINEL, tl.zeros_like(bits), bits).to(dtype, bitcast=True)
@@ -179,7 +207,7 @@ if triton is not None:
             peer = tl.load(ptrs_ptr + p).to(tl.pointer_type(dtype))
             tl.store(tl.multiple_of(peer + (use * WORLD + RANK) * region + offs, 16), part, mask=mask)
         total = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # in rank order: every rank adds alike, and gets the same bits
+        for r in tl.static_range(WORLD):
             src = tl.multiple_of(own + (use * WORLD + r) * region + offs, 16)
             got = tl.load(src, mask=mask, other=0.0, volatile=True)
             waiting = tl.sum((got.to(tl.int16, bitcast=True) == _SENTINEL).to(tl.int32), axis=0)
@@ -187,9 +215,46 @@ if triton is not None:
                 got = tl.load(src, mask=mask, other=0.0, volatile=True)
                 waiting = tl.sum((got.to(tl.int16, bitcast=True) == _SENTINEL).to(tl.int32), axis=0)
             total += got.to(tl.float32)
-        tl.store(x_ptr + offs, total.to(dtype), mask=mask)
-        # Every program read the counter before any is done: the last one to finish moves it on for the next call.
+        return total
+
+    @triton.jit
+    def _lamport_end(state_ptr, call, n):
+        """Every program read the counter before any is done: the last one to finish moves it on for the next call."""
         if tl.atomic_add(state_ptr + 1, 1) == tl.num_programs(0) - 1:
             tl.store(state_ptr, call + 1)
             tl.store(state_ptr + 1, 0)
             tl.store(state_ptr + 2, n)
+
+    @triton.jit
+    def _lamport_all_reduce(x_ptr, ptrs_ptr, state_ptr, n, region, RANK: tl.constexpr, WORLD: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """``x[:n]`` summed over the ranks in place, ``BLOCK`` elements a program."""
+        offs = tl.max_contiguous(tl.multiple_of(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        mask = offs < n
+        own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        call = _lamport_begin(state_ptr, own, region, WORLD, BLOCK)
+        total = _lamport_sum(x_ptr, offs, mask, own, ptrs_ptr, call, region, RANK, WORLD, BLOCK)
+        tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
+        _lamport_end(state_ptr, call, n)
+
+    @triton.jit
+    def _lamport_all_reduce_norm(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, ptrs_ptr, state_ptr, n, hidden, region, eps,
+                                 RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+        """A row a program: the row of ``x`` summed over the ranks, plus the residual's row into ``h``, and ``h``'s
+        RMSNorm into ``out`` -- what the sum then ``worker.kernels.rms_norm`` give, to the bit (the sum rounded to the
+        model's dtype first, as the sum's output is)."""
+        dtype = x_ptr.dtype.element_ty
+        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
+        mask = cols < hidden
+        offs = tl.multiple_of(tl.program_id(0).to(tl.int64) * hidden, 8) + cols
+        own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype))
+        call = _lamport_begin(state_ptr, own, region, WORLD, BLOCK)
+        x = _lamport_sum(x_ptr, offs, mask, own, ptrs_ptr, call, region, RANK, WORLD, BLOCK).to(dtype)
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the residual stream stays in the model's dtype
+        tl.store(h_ptr + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+        y = (hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)).to(dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=mask)
+        _lamport_end(state_ptr, call, n)

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import cuda_missing
+from worker.kernels import rms_norm
 from worker.parallel import TPGroup
 from worker.peer_all_reduce import PeerAllReduce
 
@@ -64,6 +65,16 @@ def _rank(rank: int, init: str, out: str, kernel: str) -> None:
         for i, rows in enumerate([1, 7, 64, 255, 2, 128, 33] * 3):
             x = torch.randn(rows, 4096, generator=g, device=device).to(torch.bfloat16)
             results[f"sequence-{i}"] = (tp.all_reduce(x.clone()).cpu(), nccl.all_reduce(x.clone()).cpu())
+        # The sum with the residual add and RMSNorm after it (one kernel with the Lamport kernel's peer memory), against
+        # NCCL's sum and then the norm's kernel: the same bits
+        weight = torch.randn(4096, generator=g, device=device).to(torch.bfloat16)
+        for rows in (1, 64, 256, 1024):  # 1024 rows: past the buffer, the sum on NCCL then the norm
+            x = torch.randn(rows, 4096, generator=g, device=device).to(torch.bfloat16)
+            residual = torch.randn(rows, 4096, generator=g, device=device).to(torch.bfloat16)
+            assert peer.fuses(x, residual) == (kernel == "lamport" and rows <= 256)
+            got = torch.cat(tp.add_norm(x.clone(), residual, weight, 1e-5))
+            want = torch.cat(rms_norm(nccl.all_reduce(x.clone()), weight, 1e-5, residual))
+            results[f"norm-{rows}"] = (got.cpu(), want.cpu())
         # A view 8 bytes off a 16-byte boundary: summed through an aligned copy, written back into the view.
         base = torch.randn(64 * 4096 + 4, generator=g, device=device).to(torch.bfloat16)
         view = base[4:].view(64, 4096)
@@ -98,7 +109,7 @@ def _rank(rank: int, init: str, out: str, kernel: str) -> None:
 @pytest.mark.parametrize("kernel", ["one_shot", "lamport"])
 def test_peer_sums_are_nccls_eager_and_in_a_graph(tmp_path, kernel):
     for results in _two_ranks(_rank, tmp_path, kernel):
-        assert len(results) == 38
+        assert len(results) == 42
         for name, (peer, nccl) in results.items():
             assert torch.equal(peer, nccl), name  # two ranks: a + b, rounded once, whoever adds
 
