@@ -28,6 +28,11 @@ except ImportError:  # CPU machines: the torch expressions below
 ENABLED = triton is not None and os.environ.get("VATTN_TRITON", "1") != "0"
 
 
+#: Warps of a row's RMSNorm: the order its sum of squares is added in, which the TP all-reduce's fused norm
+#: (``worker.peer_all_reduce``) shares so that both give the same bits.
+RMS_NORM_WARPS = 4
+
+
 def fused(x: torch.Tensor) -> bool:
     """Whether ``x``'s op runs as a Triton kernel."""
     return ENABLED and x.is_cuda
@@ -56,7 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     r = residual.reshape(-1, x.shape[-1]).contiguous() if residual is not None else x2
     n = x2.shape[-1]
     _rms_norm_kernel[(x2.shape[0],)](x2, r, weight, out, h, x2.stride(0), r.stride(0), n, eps,
-                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
+                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
+                                     num_warps=RMS_NORM_WARPS)
     if residual is None:
         return out.view_as(x)
     return h.view_as(x), out.view_as(x)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.kernels import RMS_NORM_WARPS
+
 try:
     import triton
     import triton.language as tl
@@ -166,7 +168,7 @@ class LamportState:
         rows, hidden = x.shape
         _lamport_all_reduce_norm[(rows,)](
             x, residual, weight, h, out, self.ptrs, self.state, x.numel(), hidden, self.region, eps, RANK=self.rank,
-            WORLD=self.world, BLOCK=triton.next_power_of_2(hidden), num_warps=8)
+            WORLD=self.world, BLOCK=triton.next_power_of_2(hidden), num_warps=RMS_NORM_WARPS)  # rms_norm's bits
 
 
 if triton is not None:
