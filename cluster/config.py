@@ -124,14 +124,15 @@ class EnginePlan:
     ledger_spec: KVCacheSpec
     num_pages: int  # 0 until ``sized`` where the pools are a fraction of the workers' free memory
     async_scheduling: bool = False  # schedule and queue step k+1 while step k runs (see ``cluster.engine_core``)
-    async_depth: int = 2  # the steps in flight with async scheduling (``EngineConfig.async_depth``)
 
     @property
     def steps_in_flight(self) -> int:
         """The most steps the engine keeps in flight: ``async_depth`` with async scheduling, the micro-batches with
         pipeline parallelism (one a stage unless ``pipeline_micro_batches`` says otherwise) and one more in a token ring
         (a micro-batch's next step queued behind the step whose tokens it takes), else one."""
-        return self.async_depth if self.async_scheduling else self.scheduler.micro_batches + bool(self.scheduler.token_ring)
+        if self.async_scheduling:
+            return self.config.async_depth
+        return self.scheduler.micro_batches + bool(self.scheduler.token_ring)
 
     @property
     def is_sized(self) -> bool:
@@ -386,7 +387,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]
     unsized = EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, 0,
-                         overlap, config.async_depth)
+                         overlap)
     if config.kv_memory_fraction is not None or config.gpu_memory_utilization is not None:
         return unsized  # the executor sizes it once the workers' weights are in (``EnginePlan.sized``)
     pages = min(_pages_within(workers, [config.kv_memory] * len(workers)))
