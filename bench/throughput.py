@@ -159,7 +159,7 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
                   distributed=where or "local", tensor_parallel_size=shape["tp"], pipeline_parallel_size=shape["pp"],
                   async_scheduling=overlap, cuda_graphs=graphs, **parallel)
     begun = time.perf_counter()
-    with environment(switches), LLM(model, **(engine | options)) as llm:
+    with switched_env(switches), LLM(model, **(engine | options)) as llm:
         startup = time.perf_counter() - begun  # weights, KV pool, the runner's warm-ups (graphs come at the first decode)
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
@@ -198,7 +198,7 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
 
 
 @contextlib.contextmanager
-def environment(switches: dict[str, str]):
+def switched_env(switches: dict[str, str]):
     """``switches`` in this process's environment for the ``with`` block, the environment as it was after."""
     before = {k: os.environ.get(k) for k in switches}
     os.environ.update(switches)

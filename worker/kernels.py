@@ -257,6 +257,19 @@ if triton is not None:
         tl.store(vc_ptr + row * stride_vc + cols, tl.load(v_ptr + tok * stride_v + cols, mask=mask), mask=mask)
 
     @triton.jit
+    def add_residual(x, r):
+        """A row plus its residual: the residual stream stays in x's dtype."""
+        return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
+    def rms_norm_row(x, w, n, eps):
+        """One row's RMSNorm, ``w`` the weight's row: the bits of every norm kernel here, and of the TP all-reduce's
+        fused one (``worker.peer_all_reduce``), launched with ``RMS_NORM_WARPS``."""
+        xf = x.to(tl.float32)
+        y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)).to(x.dtype)
+        return (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, n, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in long prefills
@@ -264,13 +277,10 @@ if triton is not None:
         mask = cols < n
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream stays in x's dtype
+            x = add_residual(x, tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0))
             tl.store(h_ptr + row * n + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)).to(x.dtype)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+        tl.store(out_ptr + row * n + cols, rms_norm_row(x, w, n, eps), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):

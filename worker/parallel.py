@@ -126,9 +126,10 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, **kw):
         super().__init__(tp.split(in_features, "in_features"), out_features, bias=False, **kw)
         self.tp = tp
+        self.sums_later = tp.fuses_norms  # decided once, with the model's blocks (``Block.sums_in_norms``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.fuses_norms:
+        if self.sums_later:
             return super().forward(x)  # this rank's part: the next norm sums it (``TPGroup.add_norm``)
         if (self.tp.size > 1 and 0 < self.tp.overlap_rows <= x.shape[0] and not self.batch_invariant
                 and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):  # a graph: one stream, one sum

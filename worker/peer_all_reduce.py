@@ -172,6 +172,8 @@ class LamportState:
 
 
 if triton is not None:
+    from worker.kernels import add_residual, rms_norm_row
+
     _SENTINEL = tl.constexpr(SENTINEL)
 
     # A rank's buffer is three buffers of ``WORLD`` regions of ``region`` elements, region r of a buffer holding rank
@@ -252,11 +254,8 @@ if triton is not None:
         own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype))
         call = _lamport_begin(state_ptr, own, region, WORLD, BLOCK)
         x = _lamport_sum(x_ptr, offs, mask, own, ptrs_ptr, call, region, RANK, WORLD, BLOCK).to(dtype)
-        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
-        h = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the residual stream stays in the model's dtype
+        h = add_residual(x, tl.load(r_ptr + offs, mask=mask, other=0.0))
         tl.store(h_ptr + offs, h, mask=mask)
-        hf = h.to(tl.float32)
-        y = (hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)).to(dtype)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=mask)
+        tl.store(out_ptr + offs, rms_norm_row(h, w, hidden, eps), mask=mask)
         _lamport_end(state_ptr, call, n)
