@@ -16,10 +16,11 @@ Every timed run starts from an empty prefix cache in both engines; ``prefix`` an
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
 ``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size;
-``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2``, ``vattn-pp2-p2p``, ``vattn-pp2-ring``: with ``--tp 2``,
-the two GPUs as pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
-peer memory; ``vattn-depth3``: three steps in flight, ``async_depth=3``; ``vattn-lamport``: with ``--tp N``, the small
-sums through our Lamport kernel, ``VATTN_PEER_ALL_REDUCE=lamport``; ``vattn-lamport-depth3``: both).
+``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2`` (a token ring by default), ``vattn-pp2-p2p``,
+``vattn-pp2-channel``: with ``--tp 2``, the two GPUs as pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
+peer memory; ``vattn-depth2``: two steps in flight through Ray, ``async_depth=2``, not three; ``vattn-oneshot``: with
+``--tp N``, the small sums through torch's one-shot kernel, ``VATTN_PEER_ALL_REDUCE=one_shot``, not our Lamport kernel;
+``vattn-oneshot-depth2``: both, the defaults before the eighth 2xH200 run).
 """
 
 from __future__ import annotations
@@ -110,21 +111,23 @@ VATTN_SIDES = {
     "vattn-tilesall": {},  # FA3's decode tiles at every batch size, not flash-attn's kernel past 256 sequences
     # One GPU, through Ray as the TP sides run, beside ``--tp N``'s: what N GPUs gain, in the call that measures vLLM
     "vattn-tp1": {"tensor_parallel_size": 1},
-    # The same GPUs as pipeline stages, each a micro-batch in flight: the channel's hand-off, and the stages' own
+    # The same GPUs as pipeline stages, each a micro-batch in flight: the default (a token ring), the stages' own
+    # hand-off without the ring, and the compiled graph's channel
     "vattn-pp2": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
     "vattn-pp2-p2p": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "pipeline_handoff": "p2p"},
-    "vattn-pp2-ring": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "pipeline_handoff": "ring"},
+    "vattn-pp2-channel": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "pipeline_handoff": "channel"},
     # With ``--tp N``: every sum on NCCL, not the small ones through peer memory (worker/peer_all_reduce.py)
     "vattn-nccl": {"disable_custom_all_reduce": True},
-    # Three steps in flight, not two: the host's round trip between steps gets two steps of device time
-    "vattn-depth3": {"async_depth": 3},
-    "vattn-lamport": {},  # TP's small sums through our Lamport kernel, not torch's one-shot (environment below)
-    "vattn-lamport-depth3": {"async_depth": 3},  # both
+    # The defaults before the eighth 2xH200 run (docs/performance.md): two steps in flight through Ray, not three;
+    # with ``--tp N``, TP's small sums through torch's one-shot kernel, not our Lamport kernel (environment below)
+    "vattn-depth2": {"async_depth": 2},
+    "vattn-oneshot": {},
+    "vattn-oneshot-depth2": {"async_depth": 2},  # both
 }
 VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
                   "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)},
-                  "vattn-lamport": {"VATTN_PEER_ALL_REDUCE": "lamport"},
-                  "vattn-lamport-depth3": {"VATTN_PEER_ALL_REDUCE": "lamport"}}
+                  "vattn-oneshot": {"VATTN_PEER_ALL_REDUCE": "one_shot"},
+                  "vattn-oneshot-depth2": {"VATTN_PEER_ALL_REDUCE": "one_shot"}}
 
 WORKLOADS = {
     "w1": Workload("llama-3-8b", 128, 512, 2048, 128, "W1: 128 prompts of 512-2048 tokens, 128 out"),

@@ -128,9 +128,10 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     every TP sum on NCCL, none through peer memory (``disable_custom_all_reduce=True``), ``/overlap`` prefill
     products of 2048 rows or more in halves whose sums overlap (``tp_overlap_rows=2048``), ``/mbN`` N
     micro-batches in flight with pipeline stages (``pipeline_micro_batches``), ``/p2p`` the stages' own hand-off
-    (``pipeline_handoff="p2p"``), ``/ring`` with the last stage's tokens handed back to the first (``"ring"``),
-    ``/depthN`` N steps in flight with async scheduling (``async_depth``), ``/lamport`` TP's small sums through our
-    Lamport kernel (``VATTN_PEER_ALL_REDUCE=lamport``, which the Ray workers take from this process); ``#k`` names a
+    (``pipeline_handoff="p2p"``), ``/ring`` with the last stage's tokens handed back to the first (``"ring"``, the
+    default where it runs), ``/channel`` the compiled graph's channel (``"channel"``), ``/depthN`` N steps in flight
+    with async scheduling (``async_depth``), ``/oneshot`` TP's small sums through torch's one-shot kernel, not our
+    Lamport kernel (``VATTN_PEER_ALL_REDUCE=one_shot``, which the Ray workers take from this process); ``#k`` names a
     repeat. The warm-up runs every prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
@@ -138,10 +139,11 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     parallel = {"disable_custom_all_reduce": True} if "/nccl" in name else {}
     if "/overlap" in name:
         parallel["tp_overlap_rows"] = 2048
-    if "/p2p" in name or "/ring" in name:
-        parallel["pipeline_handoff"] = "p2p" if "/p2p" in name else "ring"
-    switches = {"VATTN_PEER_ALL_REDUCE": "lamport"} if "/lamport" in name else {}
-    for mode in ("/sync", "/async", "/eager", "/graphs", "/nccl", "/overlap", "/p2p", "/ring", "/lamport"):
+    for handoff in ("p2p", "ring", "channel"):
+        if f"/{handoff}" in name:
+            parallel["pipeline_handoff"] = handoff
+    switches = {"VATTN_PEER_ALL_REDUCE": "one_shot"} if "/oneshot" in name else {}
+    for mode in ("/sync", "/async", "/eager", "/graphs", "/nccl", "/overlap", "/p2p", "/ring", "/channel", "/oneshot"):
         name = name.replace(mode, "")
     if depth := re.search(r"/depth(\d+)", name):
         parallel["async_depth"] = int(depth[1])

@@ -3,7 +3,7 @@
 then decode steps eager and in CUDA graphs (the all-reduces captured in each rank's graphs). Per TP size: ms per
 prefill step of ``--chunk`` tokens and per decode step of ``--batch`` sequences, and the ratio to TP=1.
 With several ranks, each ``--all-reduce`` in turn: ``nccl`` (every sum), ``peer`` (small sums through peer memory,
-``worker.peer_all_reduce``: torch's one-shot kernel), ``lamport`` (the same through our Lamport kernel), ``overlap``
+``worker.peer_all_reduce``: torch's one-shot kernel), ``lamport`` (the same through our Lamport kernel, the engine's default), ``overlap``
 (peer, and prefill products of ``--overlap-rows`` rows or more in halves whose sums overlap the next half's product:
 ``TPGroup.overlap_rows``), ``none`` (no sums at all: wrong tokens, the communication's share of a step). ``--profile
 N``: N more decode steps of each kind under torch.profiler on rank 0, its kernel time by kind (matmul, attention,

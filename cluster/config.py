@@ -82,9 +82,10 @@ class EngineConfig:
     # queued before a stage maps and plans its step, so that host work overlaps the stage before's compute
     # (cluster/stage_link.py); "ring", p2p and the last stage hands each step's drawn tokens back to the first on the
     # device, so that a micro-batch's next step is launched before the scheduler has read its tokens (one more step
-    # in flight; the stages never wait for the host's round trip). "channel" until the others are measured against
-    # it in one call on GPUs (docs/performance.md, "Two GPUs").
-    pipeline_handoff: Literal["channel", "p2p", "ring"] = "channel"
+    # in flight; the stages never wait for the host's round trip). "auto": "ring" where it applies (async scheduling, a
+    # micro-batch a stage), else "channel". On 2xH200, W1 at PP=2 in one call took 3.77 / 3.80 s in a ring against
+    # 3.91 / 4.00 s through the channel, 0.73x TP=1's (docs/performance.md, "Two GPUs").
+    pipeline_handoff: Literal["auto", "channel", "p2p", "ring"] = "auto"
     distributed: Literal["local", "ray"] = "local"
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
@@ -92,8 +93,11 @@ class EngineConfig:
     # Steps in flight with async scheduling (one pipeline stage): 2 queues step k+1 behind step k; 3 queues k+2 too, so
     # that the host's round trip between a step's end and the launch of the one after next (the workers' reply, the
     # scheduler, the step's transport and the workers' launch) has two steps of device time instead of one. A TP=2
-    # decode step is half a TP=1 one while that round trip is not. A stop token is then found two steps late.
-    async_depth: int = 2
+    # decode step is half a TP=1 one while that round trip is not. A stop token is then found two steps late. None: 3
+    # through Ray, where that round trip crosses processes (on 2xH200 at TP=2, with the Lamport sums, the decode-heavy
+    # workload took 9.91 s against 11.76 s at depth 2 with torch's one-shot sums, 0.997x vLLM's), 2 in-process (no
+    # change at TP=1 on the H100: docs/performance.md).
+    async_depth: int | None = None
     # The same request gives the same tokens whatever else is in the batch, however its prompt is chunked, preempted
     # or not: batch-invariant matmuls, attention ("invariant") and all-reduce (docs/deterministic.md).
     deterministic: bool = False
@@ -124,6 +128,10 @@ class EnginePlan:
     ledger_spec: KVCacheSpec
     num_pages: int  # 0 until ``sized`` where the pools are a fraction of the workers' free memory
     async_scheduling: bool = False  # schedule and queue step k+1 while step k runs (see ``cluster.engine_core``)
+    async_depth: int = 2  # steps in flight with async scheduling (``EngineConfig.async_depth``, its None resolved)
+    # How pipeline stages hand on hidden states: "channel", "p2p" or "ring" (``EngineConfig.pipeline_handoff``, its
+    # "auto" resolved; "ring" only where it runs, else "p2p")
+    pipeline_handoff: str = "channel"
 
     @property
     def steps_in_flight(self) -> int:
@@ -131,7 +139,7 @@ class EnginePlan:
         pipeline parallelism (one a stage unless ``pipeline_micro_batches`` says otherwise) and one more in a token ring
         (a micro-batch's next step queued behind the step whose tokens it takes), else one."""
         if self.async_scheduling:
-            return self.config.async_depth
+            return self.async_depth
         return self.scheduler.micro_batches + bool(self.scheduler.token_ring)
 
     @property
@@ -281,19 +289,24 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     ahead = config.async_scheduling if config.async_scheduling is not None else True
     if not isinstance(ahead, bool):
         raise ValueError(f"async_scheduling must be a bool or None, got {config.async_scheduling!r}")
-    depth = config.async_depth
+    depth = config.async_depth if config.async_depth is not None else 3 if config.distributed == "ray" else 2
     if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= 4:
-        raise ValueError(f"async_depth must be an int in [2, 4] (steps in flight with async scheduling), got "
+        raise ValueError(f"async_depth must be None or an int in [2, 4] (steps in flight with async scheduling), got "
                          f"{config.async_depth!r}")
     micro = config.pipeline_micro_batches
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or pp == 1):
         raise ValueError(f"pipeline_micro_batches must be None or an int >= 1 with pipeline_parallel_size > 1, got "
                          f"{micro!r} with pipeline_parallel_size={pp}")
-    if config.pipeline_handoff not in ("channel", "p2p", "ring"):
-        raise ValueError(f"pipeline_handoff must be 'channel', 'p2p' or 'ring', got {config.pipeline_handoff!r}")
+    handoff = config.pipeline_handoff
+    if handoff not in ("auto", "channel", "p2p", "ring"):
+        raise ValueError(f"pipeline_handoff must be 'auto', 'channel', 'p2p' or 'ring', got {handoff!r}")
+    if handoff == "auto":
+        handoff = "ring" if pp > 1 and ahead and micro in (None, pp) else "channel"
     # The first stage receives the tokens of the step launched as many steps before as there are stages: the
     # sequences must come round at that pace, a micro-batch a stage.
-    ring = pp if config.pipeline_handoff == "ring" and pp > 1 and ahead else 0
+    ring = pp if handoff == "ring" and pp > 1 and ahead else 0
+    if handoff == "ring" and not ring:
+        handoff = "p2p"  # one stage, or one step at a time: nothing comes round
     if ring and micro not in (None, pp):
         raise ValueError(f"pipeline_handoff='ring' runs a micro-batch a stage: pipeline_micro_batches must be None or "
                          f"{pp}, got {micro!r}")
@@ -387,7 +400,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]
     unsized = EnginePlan(config, model, device, dtype, attention, max_model_len, workers, scheduler, ledger_spec, 0,
-                         overlap)
+                         overlap, depth, handoff)
     if config.kv_memory_fraction is not None or config.gpu_memory_utilization is not None:
         return unsized  # the executor sizes it once the workers' weights are in (``EnginePlan.sized``)
     pages = min(_pages_within(workers, [config.kv_memory] * len(workers)))

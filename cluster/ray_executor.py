@@ -102,8 +102,7 @@ class RayExecutor:
         """The pipeline stages hand hidden states on themselves (``pipeline_handoff="p2p"`` or ``"ring"``,
         ``StageLink``); in a ring (``SchedulerConfig.token_ring``) the last stage's drawn tokens go back to the
         first."""
-        c = self.plan.config
-        return c.pipeline_handoff in ("p2p", "ring") and c.pipeline_parallel_size > 1
+        return self.plan.pipeline_handoff in ("p2p", "ring") and self.plan.config.pipeline_parallel_size > 1
 
     @property
     def late_masks(self) -> bool:

@@ -27,8 +27,8 @@ class TPGroup:
     # Sums in rank order (``deterministic=True``): NCCL's ring and tree add a chunk's partial sums in an order
     # that depends on which chunk an element falls in, so on the tensor's size, so on the batch.
     ordered: bool = False
-    # Small sums through peer memory (``PeerAllReduce``: one kernel, the ranks' parts added in rank order, so
-    # ``ordered`` holds too); None: NCCL takes every sum.
+    # Small sums through peer memory (``PeerAllReduce``: one kernel, the ranks' parts added in rank order, in float32
+    # with the default kernel, as the ordered sum below); None: NCCL takes every sum.
     peer: Any = field(default=None, compare=False, repr=False)
     # > 0: a row-parallel product of at least this many rows (prefill chunks) is computed in two halves, the first
     # half's sum running on NCCL's stream while the second half's product runs (``RowParallelLinear``); 0: one
@@ -56,15 +56,17 @@ class TPGroup:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        total = parts[0]
+        # In float32, rounded once at the end, as the peer-memory kernel adds a smaller sum of the same rows: a row
+        # gets the same bits whether its batch's sum fits in peer memory or not.
+        total = parts[0].float()
         for part in parts[1:]:
-            total = total + part
+            total += part
         return x.copy_(total)
 
     @property
     def fuses_norms(self) -> bool:
         """Whether a row-parallel product's sum waits for the RMSNorm after it, to run as one kernel with its residual
-        add (``add_norm``): with the Lamport kernel's peer memory (``VATTN_PEER_ALL_REDUCE=lamport``), and no prefill
+        add (``add_norm``): with the Lamport kernel's peer memory (the default), and no prefill
         products split in halves (``overlap_rows``), which sum themselves."""
         return self.size > 1 and getattr(self.peer, "lamport", None) is not None and not self.overlap_rows
 

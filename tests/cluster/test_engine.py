@@ -331,15 +331,25 @@ def test_cuda_graphs_default_on_every_tp_rank_and_pipeline_stage():
 def test_pipeline_stages_keep_a_micro_batch_each_in_flight_or_as_many_as_asked():
     from cluster.config import EngineConfig, plan
 
-    def shape(**kw):
-        config = EngineConfig("tiny", device="cpu", distributed="ray", max_num_seqs=128, **kw)
+    def shape(distributed="ray", **kw):
+        config = EngineConfig("tiny", device="cpu", distributed=distributed, max_num_seqs=128, **kw)
         chosen = plan(config, PRESETS["tiny"], "cpu")
-        return chosen.steps_in_flight, chosen.scheduler.micro_batches
+        return chosen.steps_in_flight, chosen.scheduler.micro_batches, chosen.pipeline_handoff
 
-    assert shape(pipeline_parallel_size=2) == (2, 2)
-    assert shape(pipeline_parallel_size=2, pipeline_micro_batches=3) == (3, 3)
-    assert shape(pipeline_parallel_size=2, async_scheduling=False) == (1, 1)  # one step at a time
-    assert shape() == (2, 1)  # one stage: step k+1 queued behind k, over the same sequences
+    # a token ring by default: a micro-batch a stage, and the next step of one queued behind the step it takes from
+    assert shape(pipeline_parallel_size=2) == (3, 2, "ring")
+    assert shape(pipeline_parallel_size=2, pipeline_handoff="channel") == (2, 2, "channel")
+    assert shape(pipeline_parallel_size=2, pipeline_handoff="p2p") == (2, 2, "p2p")
+    # more micro-batches than stages, or one step at a time: no ring, the channel unless another hand-off is named
+    assert shape(pipeline_parallel_size=2, pipeline_micro_batches=3) == (3, 3, "channel")
+    assert shape(pipeline_parallel_size=2, pipeline_micro_batches=3, pipeline_handoff="p2p") == (3, 3, "p2p")
+    assert shape(pipeline_parallel_size=2, async_scheduling=False) == (1, 1, "channel")
+    assert shape(pipeline_parallel_size=2, async_scheduling=False, pipeline_handoff="ring") == (1, 1, "p2p")
+    # one stage: steps queued behind the running one over the same sequences, three through Ray, two in-process
+    assert shape() == (3, 1, "channel")
+    assert shape(async_depth=2) == (2, 1, "channel")
+    assert shape("local") == (2, 1, "channel")
+    assert shape("local", async_depth=3) == (3, 1, "channel")
 
 
 def test_graphs_with_a_gathering_backend_are_refused_before_loading():

@@ -143,20 +143,20 @@ def test_prefix_caching_across_tp_and_pp_gives_the_tokens_of_an_engine_without_i
 def test_pipeline_stages_compute_micro_batches_of_other_sequences_at_once():
     """PP=2 keeps a micro-batch a stage in flight (stage 0 computes one while stage 1 computes the other, over disjoint
     sequences): the in-process engine's tokens, steps sent while another was in flight, under preemption, every worker's
-    accounting equal to the ledger's at the end; the same with three micro-batches in flight
-    (``pipeline_micro_batches``); with the stages handing hidden states on themselves (``pipeline_handoff="p2p"``),
-    at TP=2 too; with the last stage handing its tokens back to the first (``"ring"``: a micro-batch's next step
-    sent before its tokens are read), at TP=2 too; one step at a time with ``async_scheduling=False``."""
+    accounting equal to the ledger's at the end: with the last stage handing its tokens back to the first (a token
+    ring, the default: a micro-batch's next step sent before its tokens are read), at TP=2 too; with three
+    micro-batches in flight (``pipeline_micro_batches``, through the compiled graph's channel); with the stages
+    handing hidden states on themselves without the ring (``pipeline_handoff="p2p"``), at TP=2 too; through the
+    channel with a micro-batch a stage; one step at a time with ``async_scheduling=False``."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(5, 60))] for _ in range(16)]
     params = [SamplingParams(max_tokens=rng.randint(4, 24), temperature=0, ignore_eos=True) for _ in prompts]
     kw = dict(SMALL, dtype="float32", max_num_batched_tokens=40, kv_memory=96 << 10)
     with LLM("tiny", **kw) as local:
         want = [list(o.outputs[0].token_ids) for o in local.generate(prompts, params)]
-    for options in (dict(), dict(pipeline_micro_batches=3), dict(pipeline_handoff="p2p"),
+    for options in (dict(), dict(tensor_parallel_size=2), dict(pipeline_micro_batches=3), dict(pipeline_handoff="p2p"),
                     dict(pipeline_handoff="p2p", tensor_parallel_size=2, pipeline_micro_batches=3),
-                    dict(pipeline_handoff="ring"), dict(pipeline_handoff="ring", tensor_parallel_size=2),
-                    dict(async_scheduling=False)):
+                    dict(pipeline_handoff="channel"), dict(async_scheduling=False)):
         with LLM("tiny", distributed="ray", pipeline_parallel_size=2, **options, **kw) as llm:
             assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)] == want
             snap = llm.snapshot()
@@ -167,10 +167,12 @@ def test_pipeline_stages_compute_micro_batches_of_other_sequences_at_once():
             assert_in_step(llm)
 
 
-def test_three_steps_in_flight_at_tp2_give_the_in_process_engines_tokens():
-    """``async_depth=3`` over Ray at TP=2: each call queues a step while the two before it are in flight and returns
-    the tokens of the oldest; under preemption, n > 1 forks and stops found two steps late the tokens are the in-process
-    engine's (one step at a time), and every worker ends at zero."""
+@pytest.mark.parametrize("depth", [None, 2])
+def test_steps_in_flight_at_tp2_give_the_in_process_engines_tokens(depth):
+    """Three steps in flight over Ray at TP=2 (``async_depth``'s default there): each call queues a step while the two
+    before it are in flight and returns the tokens of the oldest; under preemption, n > 1 forks and stops found two
+    steps late the tokens are the in-process engine's (one step at a time), and every worker ends at zero. The same
+    with two steps in flight."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(5, 60))] for _ in range(12)]
     params = [SamplingParams(max_tokens=rng.randint(4, 24), temperature=0, ignore_eos=True) for _ in prompts]
@@ -181,7 +183,8 @@ def test_three_steps_in_flight_at_tp2_give_the_in_process_engines_tokens():
         stop = want[0][0][2]
     params[0] = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[stop])
     want[0][0] = want[0][0][: want[0][0].index(stop) + 1]
-    with LLM("tiny", distributed="ray", tensor_parallel_size=2, async_depth=3, **kw) as llm:
+    with LLM("tiny", distributed="ray", tensor_parallel_size=2, async_depth=depth, **kw) as llm:
+        assert llm.plan.steps_in_flight == (depth or 3)
         assert [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, params)] == want
         snap = llm.snapshot()
         assert snap.num_preemptions > 0 and snap.num_overlapped_steps > snap.num_steps // 2
@@ -428,14 +431,14 @@ def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an int >= 1, got 0"),
         (dict(preemption_mode="drop"), "preemption_mode must be 'recompute' or 'swap', got 'drop'"),
         (dict(async_scheduling="yes"), "async_scheduling must be a bool or None, got 'yes'"),
-        (dict(async_depth=1), r"async_depth must be an int in \[2, 4\] \(steps in flight with async scheduling\), "
+        (dict(async_depth=1), r"async_depth must be None or an int in \[2, 4\] \(steps in flight with async scheduling\), "
                               "got 1"),
-        (dict(async_depth=True), r"async_depth must be an int in \[2, 4\] \(steps in flight with async scheduling\), "
+        (dict(async_depth=True), r"async_depth must be None or an int in \[2, 4\] \(steps in flight with async scheduling\), "
                                  "got True"),
         (dict(tp_overlap_rows=-1), r"tp_overlap_rows must be an int >= 0 \(0: off\), got -1"),
         (dict(pipeline_micro_batches=3), "pipeline_micro_batches must be None or an int >= 1 with "
                                          "pipeline_parallel_size > 1, got 3 with pipeline_parallel_size=1"),
-        (dict(pipeline_handoff="nccl"), "pipeline_handoff must be 'channel', 'p2p' or 'ring', got 'nccl'"),
+        (dict(pipeline_handoff="nccl"), "pipeline_handoff must be 'auto', 'channel', 'p2p' or 'ring', got 'nccl'"),
         (dict(pipeline_handoff="ring", pipeline_parallel_size=2, pipeline_micro_batches=3),
          "pipeline_handoff='ring' runs a micro-batch a stage: pipeline_micro_batches must be None or 2, got 3"),
         (dict(kv_memory_fraction=0), r"kv_memory_fraction must be a number in \(0, 1\], got 0"),

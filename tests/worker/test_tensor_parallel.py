@@ -76,20 +76,26 @@ def _ordered_rank(rank: int, size: int, init: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
         tp = TPGroup(rank, size, ordered=True)
-        torch.save({n: tp.all_reduce(_partial(rank, n)) for n in (1, 7, 1000, 65537)}, f"{out}.{rank}")
+        torch.save({(n, dtype): tp.all_reduce(_partial(rank, n).to(dtype)) for n in (1, 7, 1000, 65537)
+                    for dtype in (torch.float32, torch.bfloat16)}, f"{out}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
 def test_the_ordered_all_reduce_adds_the_ranks_partials_in_rank_order_at_every_size(tmp_path):
     """``deterministic=True`` with more than two ranks: each element is (p0 + p1) + p2 on every rank, whatever the
-    tensor's size (a ring or tree all-reduce starts an element's sum at a rank that depends on its chunk)."""
+    tensor's size (a ring or tree all-reduce starts an element's sum at a rank that depends on its chunk), in float32
+    and rounded once, as the peer-memory kernel adds the sums that fit in it (a row's bits must not depend on whether
+    its batch's sum did)."""
     out = str(tmp_path / "sums")
     mp.spawn(_ordered_rank, args=(3, f"file://{tmp_path}/rendezvous", out), nprocs=3, join=True)
     for rank in range(3):
         got = torch.load(f"{out}.{rank}")
-        for n, total in got.items():
-            want = _partial(0, n)
+        for (n, dtype), total in got.items():
+            want = _partial(0, n).to(dtype).float()
             for r in range(1, 3):
-                want = want + _partial(r, n)
-            assert torch.equal(total, want), (rank, n)
+                want = want + _partial(r, n).to(dtype).float()
+            assert total.dtype == dtype and torch.equal(total, want.to(dtype)), (rank, n, dtype)
+        # rounded after each add, bfloat16's sums would differ: the check above can tell the two apart
+        rounded = (_partial(0, 65537).bfloat16() + _partial(1, 65537).bfloat16()) + _partial(2, 65537).bfloat16()
+        assert not torch.equal(got[65537, torch.bfloat16], rounded)
