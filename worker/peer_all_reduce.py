@@ -70,45 +70,16 @@ class PeerAllReduce:
         if kernel not in KERNELS:
             raise ValueError(f"peer all-reduce kernel must be one of {KERNELS}, got {kernel!r} (VATTN_PEER_ALL_REDUCE)")
         group_name = (tp.group if tp.group is not None else dist.group.WORLD).group_name
-        error = None
-        peer = None
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            if kernel == "lamport":
-                if triton is None:
-                    raise RuntimeError("the Lamport kernel needs Triton")
-                # three buffers, each a region per source rank
-                buffer = symm_mem.empty(3 * tp.size * max_bytes, dtype=torch.uint8, device=device)
-                buffer.view(torch.int16).fill_(SENTINEL)
-                handle = symm_mem.rendezvous(buffer, group_name)
-                if handle.buffer_ptrs[tp.rank] != buffer.data_ptr() or max_bytes % 16:
-                    raise RuntimeError(f"the Lamport kernel needs its buffer at its own address and 16-byte regions "
-                                       f"(max_bytes={max_bytes})")
-                lamport = LamportState(torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
-                                       torch.zeros(3, dtype=torch.int64, device=device), tp.rank, tp.size,
-                                       max_bytes // 2)
-                tp.barrier(device)  # every rank's buffers hold the sentinel before any rank sends a part
-                peer = cls(buffer, group_name, max_bytes, lamport)
-                probe = torch.full((1024,), float(tp.rank + 1), dtype=torch.bfloat16, device=device)
-            else:
-                buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-                symm_mem.rendezvous(buffer, group_name)
-                peer = cls(buffer, group_name, max_bytes)
-                # Each rank adds rank + 1 in float32: the sum is n(n+1)/2 exactly, on every rank.
-                probe = torch.full((1024,), float(tp.rank + 1), device=device)
-            peer.all_reduce(probe)
-            if not bool((probe == tp.size * (tp.size + 1) / 2).all()):
-                raise RuntimeError(f"a probe sum over {tp.size} ranks came out as {probe[0].item()}")
-        except Exception as exc:  # no symmetric memory here (no peer access, an old driver): NCCL for everything
-            error = exc
-        failed = tp.failed_rank(error is not None, device)  # every rank answers the same
-        if failed is None:
-            return peer
-        if error is not None:
-            logger.warning("all-reduces stay on NCCL: symmetric memory over the TP group failed (%s: %s)",
-                           type(error).__name__, error)
-        return None
+        lamport = kernel == "lamport"
+        # Every rank answers after each step, so that one whose step failed (no Triton, no memory, no peer access, an
+        # old driver) never leaves the others in the next step's collective: then NCCL takes every sum, on every rank.
+        buffer = _on_every_rank(tp, device, _allocate, tp.size, device, max_bytes, lamport)
+        if buffer is None:
+            return None
+        peer = _on_every_rank(tp, device, _exchange, cls, buffer, tp, group_name, device, max_bytes, lamport)
+        if peer is None or _on_every_rank(tp, device, _probe, peer, tp, device, lamport) is None:
+            return None
+        return peer
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through peer memory: contiguous, small enough, a whole number of 16-byte vectors, a type
@@ -146,6 +117,62 @@ class PeerAllReduce:
         # One kernel: the copy into the shared buffer, a barrier with the peers, their parts read and added into ``x``.
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(shared, flat, "sum", self.group_name, flat)
         return x
+
+
+def _on_every_rank(tp, device: torch.device, step, *args):
+    """``step(*args)``'s result where it returned on every rank of ``tp``, else None on every rank, this rank's error
+    logged (every rank must call it with its step, as with any collective: ``TPGroup.failed_rank``)."""
+    try:
+        result, error = step(*args), None
+    except Exception as exc:
+        result, error = None, exc
+    if tp.failed_rank(error is not None, device) is None:
+        return result
+    if error is not None:
+        logger.warning("all-reduces stay on NCCL: symmetric memory over the TP group failed (%s: %s)",
+                       type(error).__name__, error)
+    return None
+
+
+def _allocate(world: int, device: torch.device, max_bytes: int, lamport: bool) -> torch.Tensor:
+    """This rank's symmetric buffer: one of ``max_bytes``, or the Lamport kernel's three buffers of a region per rank,
+    each element the sentinel. This rank alone: what fails here may fail on one rank only."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if lamport and triton is None:
+        raise RuntimeError("the Lamport kernel needs Triton")
+    if lamport and max_bytes % 16:
+        raise RuntimeError(f"the Lamport kernel needs 16-byte regions (max_bytes={max_bytes})")
+    buffer = symm_mem.empty(3 * world * max_bytes if lamport else max_bytes, dtype=torch.uint8, device=device)
+    if lamport:
+        buffer.view(torch.int16).fill_(SENTINEL)
+    return buffer
+
+
+def _exchange(cls, buffer: torch.Tensor, tp, group_name: str, device: torch.device, max_bytes: int,
+              lamport: bool) -> "PeerAllReduce":
+    """The buffers exchanged (a collective), then this rank's own checks."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    handle = symm_mem.rendezvous(buffer, group_name)
+    if not lamport:
+        return cls(buffer, group_name, max_bytes)
+    if handle.buffer_ptrs[tp.rank] != buffer.data_ptr():
+        raise RuntimeError("the Lamport kernel needs its buffer at its own address")
+    state = LamportState(torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
+                         torch.zeros(3, dtype=torch.int64, device=device), tp.rank, tp.size, max_bytes // 2)
+    return cls(buffer, group_name, max_bytes, state)
+
+
+def _probe(peer: "PeerAllReduce", tp, device: torch.device, lamport: bool) -> bool:
+    """A sum every rank can verify: each adds rank + 1, n(n+1)/2 exactly (float32, or bfloat16 for the Lamport kernel,
+    which sums 16-bit types). After a barrier: every rank's buffers hold the sentinel before any rank sends a part."""
+    tp.barrier(device)
+    x = torch.full((1024,), float(tp.rank + 1), dtype=torch.bfloat16 if lamport else torch.float32, device=device)
+    peer.all_reduce(x)
+    if not bool((x == tp.size * (tp.size + 1) / 2).all()):
+        raise RuntimeError(f"a probe sum over {tp.size} ranks came out as {x[0].item()}")
+    return True
 
 
 @dataclass(frozen=True)

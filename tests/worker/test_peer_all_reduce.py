@@ -1,7 +1,7 @@
 """The peer-memory all-reduce on two GPUs (two processes, NCCL beside it), torch's one-shot kernel and our Lamport
 kernel: the same sums as NCCL's, eagerly and replayed from a CUDA graph, and NCCL for what it does not take; whether
-processes that see one GPU each (as Ray lends them) can share peer memory at all; and the ranks' agreement on a
-failure, over gloo, not waiting for the device."""
+processes that see one GPU each (as Ray lends them) can share peer memory at all; a step of the connection failing on
+one rank only; and the ranks' agreement on a failure, over gloo, not waiting for the device."""
 
 from __future__ import annotations
 
@@ -40,7 +40,13 @@ def _two_ranks(fn, tmp_path, *args) -> list:
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     out = str(tmp_path / "saved")
-    mp.spawn(fn, args=(f"file://{tmp_path}/rendezvous", out, *args), nprocs=2, join=True)
+    ranks = mp.spawn(fn, args=(f"file://{tmp_path}/rendezvous", out, *args), nprocs=2, join=False)
+    deadline = time.monotonic() + 240  # a rank left in a collective would hang the suite: fail instead
+    while not ranks.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__}: a rank hung (240 s)")
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 
@@ -129,6 +135,37 @@ def test_ranks_that_see_one_gpu_each_agree_whether_peer_memory_works(tmp_path):
     answers = _two_ranks(_isolated_rank, tmp_path)
     assert answers[0] == answers[1]
     print(f"peer memory between processes that see one GPU each: {'works' if answers[0] else 'fails'}")
+
+
+def _one_failing_rank(rank: int, init: str, out: str, kernel: str, where: str) -> None:
+    device = _join(rank, init, isolated=False)
+    try:
+        import worker.peer_all_reduce as peer_all_reduce
+
+        original = getattr(peer_all_reduce, where)
+        if rank == 1:  # this rank's step fails, as an allocation or a rank's own check after a collective can
+            def fail(*args):
+                if where != "_allocate":  # the step's collectives run; this rank's check after them fails
+                    original(*args)
+                raise RuntimeError(f"rank 1's {where} failed")
+
+            setattr(peer_all_reduce, where, fail)
+        answers = [PeerAllReduce.connect(TPGroup(rank, 2), device, kernel=kernel) is not None]
+        setattr(peer_all_reduce, where, original)
+        if where == "_allocate":  # no collective ran: the group connects again as if nothing had happened
+            answers.append(PeerAllReduce.connect(TPGroup(rank, 2), device, kernel=kernel) is not None)
+        torch.save(answers, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("where", ["_allocate", "_exchange", "_probe"])
+@pytest.mark.parametrize("kernel", ["one_shot", "lamport"])
+def test_a_step_that_fails_on_one_rank_sends_every_rank_to_nccl_and_none_hangs(tmp_path, kernel, where):
+    # Each step of the connection ends in an agreement: rank 0 does not wait in the next step's collective for a rank
+    # that failed before it (before, a failed check after the exchange left rank 0 in the barrier).
+    want = [False, True] if where == "_allocate" else [False]
+    assert _two_ranks(_one_failing_rank, tmp_path, kernel, where) == [want, want]
 
 
 def _agreeing_rank(rank: int, init: str, out: str) -> None:
