@@ -253,7 +253,10 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
     env = report.environment()
     result = SideResult(
         call_id=spec.call_id, engine="vattn", label=spec.label, device=env["device"], versions=env["versions"],
-        engine_args={"asked": spec.engine_args, "resolved": resolved | {"attention": llm.plan.attention}},
+        engine_args={"asked": spec.engine_args, "resolved": resolved | {
+            "attention": llm.plan.attention, "async_depth": llm.plan.async_depth,
+            "pipeline_handoff": llm.plan.pipeline_handoff,
+            "peer_all_reduce": os.environ.get("VATTN_PEER_ALL_REDUCE", "lamport")}},
         start_s=started,
     )
     with llm:

@@ -27,8 +27,9 @@ class TPGroup:
     # Sums in rank order (``deterministic=True``): NCCL's ring and tree add a chunk's partial sums in an order
     # that depends on which chunk an element falls in, so on the tensor's size, so on the batch.
     ordered: bool = False
-    # Small sums through peer memory (``PeerAllReduce``: one kernel, the ranks' parts added in rank order, in float32
-    # with the default kernel, as the ordered sum below); None: NCCL takes every sum.
+    # Small sums through peer memory (``PeerAllReduce``: one kernel, the ranks' parts added in rank order; with the
+    # Lamport kernel in float32, as the ordered sum below, which at more than two ranks the one-shot kernel's 16-bit
+    # adds would not match: ordered sums then leave it to NCCL); None: NCCL takes every sum.
     peer: Any = field(default=None, compare=False, repr=False)
     # > 0: a row-parallel product of at least this many rows (prefill chunks) is computed in two halves, the first
     # half's sum running on NCCL's stream while the second half's product runs (``RowParallelLinear``); 0: one
@@ -47,7 +48,8 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        if self.peer is not None and self.peer.fits(x):
+        if self.peer is not None and self.peer.fits(x) and (not self.ordered or self.size == 2
+                                                           or self.peer.sums_in_float32):
             return self.peer.all_reduce(x)
         import torch.distributed as dist
 
@@ -58,7 +60,7 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         # In float32, rounded once at the end, as the peer-memory kernel adds a smaller sum of the same rows: a row
         # gets the same bits whether its batch's sum fits in peer memory or not.
-        total = parts[0].float()
+        total = parts[0].to(torch.promote_types(x.dtype, torch.float32))
         for part in parts[1:]:
             total += part
         return x.copy_(total)

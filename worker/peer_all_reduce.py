@@ -61,18 +61,21 @@ class PeerAllReduce:
         """The buffer, exchanged over ``tp``'s group (a ``TPGroup``) and checked with a sum every rank can verify;
         None (NCCL then takes every sum) where symmetric memory does not work here, saying why. Every rank must
         call it, and they agree: a rank whose check failed makes every rank return None (``TPGroup.failed_rank``).
-        ``kernel``: "one_shot" (torch's) or "lamport" (ours); None: ``VATTN_PEER_ALL_REDUCE``, else "lamport" (on
+        ``kernel``: "one_shot" (torch's) or "lamport" (ours); None: ``VATTN_PEER_ALL_REDUCE``, else "lamport" where
+        Triton is installed (on
         2xH200 a TP=2 decode step in CUDA graphs took 8.47 ms with it against 8.87 with torch's, and it fuses the
         norms after the sums; docs/performance.md, "Two GPUs")."""
         import torch.distributed as dist
 
-        kernel = kernel or os.environ.get("VATTN_PEER_ALL_REDUCE", "lamport")
+        kernel = kernel or os.environ.get("VATTN_PEER_ALL_REDUCE") or ("lamport" if triton is not None else "one_shot")
         if kernel not in KERNELS:
             raise ValueError(f"peer all-reduce kernel must be one of {KERNELS}, got {kernel!r} (VATTN_PEER_ALL_REDUCE)")
         group_name = (tp.group if tp.group is not None else dist.group.WORLD).group_name
         lamport = kernel == "lamport"
-        # Every rank answers after each step, so that one whose step failed (no Triton, no memory, no peer access, an
-        # old driver) never leaves the others in the next step's collective: then NCCL takes every sum, on every rank.
+        # Every rank answers after each step, so that one whose step failed (no Triton, no memory, a check after the
+        # exchange) never leaves the others in the next step's collective: then NCCL takes every sum, on every rank.
+        # A failure inside the exchange itself (no peer access, an old driver) must come on every rank at once, as it
+        # does where the GPUs cannot share memory; one rank's alone would leave the others waiting in it.
         buffer = _on_every_rank(tp, device, _allocate, tp.size, device, max_bytes, lamport)
         if buffer is None:
             return None
@@ -80,6 +83,11 @@ class PeerAllReduce:
         if peer is None or _on_every_rank(tp, device, _probe, peer, tp, device, lamport) is None:
             return None
         return peer
+
+    @property
+    def sums_in_float32(self) -> bool:
+        """Whether the parts are added in float32 and rounded once (the Lamport kernel), not in their own type."""
+        return self.lamport is not None
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through peer memory: contiguous, small enough, a whole number of 16-byte vectors, a type

@@ -46,6 +46,7 @@ def _two_ranks(fn, tmp_path, *args) -> list:
         if time.monotonic() > deadline:
             for process in ranks.processes:
                 process.kill()
+                process.join()
             pytest.fail(f"{fn.__name__}: a rank hung (240 s)")
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
