@@ -20,7 +20,8 @@ past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over
 ``vattn-pp2-channel``: with ``--tp 2``, the two GPUs as pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
 peer memory; ``vattn-depth2``: two steps in flight through Ray, ``async_depth=2``, not three; ``vattn-oneshot``: with
 ``--tp N``, the small sums through torch's one-shot kernel, ``VATTN_PEER_ALL_REDUCE=one_shot``, not our Lamport kernel;
-``vattn-oneshot-depth2``: both, the defaults before the eighth 2xH200 run).
+``vattn-oneshot-depth2``: both, the defaults before the eighth 2xH200 run; ``vattn-wholehead``: with ``--tp N``, the
+LM head whole on every rank, ``VATTN_SPLIT_LM_HEAD=0``, not split by vocabulary).
 """
 
 from __future__ import annotations
@@ -123,11 +124,13 @@ VATTN_SIDES = {
     "vattn-depth2": {"async_depth": 2},
     "vattn-oneshot": {},
     "vattn-oneshot-depth2": {"async_depth": 2},  # both
+    "vattn-wholehead": {},  # with ``--tp N``: the LM head whole on every rank, not split by vocabulary (environment)
 }
 VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
                   "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)},
                   "vattn-oneshot": {"VATTN_PEER_ALL_REDUCE": "one_shot"},
-                  "vattn-oneshot-depth2": {"VATTN_PEER_ALL_REDUCE": "one_shot"}}
+                  "vattn-oneshot-depth2": {"VATTN_PEER_ALL_REDUCE": "one_shot"},
+                  "vattn-wholehead": {"VATTN_SPLIT_LM_HEAD": "0"}}
 
 WORKLOADS = {
     "w1": Workload("llama-3-8b", 128, 512, 2048, 128, "W1: 128 prompts of 512-2048 tokens, 128 out"),
@@ -256,7 +259,8 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
         engine_args={"asked": spec.engine_args, "resolved": resolved | {
             "attention": llm.plan.attention, "async_depth": llm.plan.async_depth,
             "pipeline_handoff": llm.plan.pipeline_handoff,
-            "peer_all_reduce": os.environ.get("VATTN_PEER_ALL_REDUCE", "lamport")}},
+            "peer_all_reduce": os.environ.get("VATTN_PEER_ALL_REDUCE", "lamport"),
+            "split_lm_head": os.environ.get("VATTN_SPLIT_LM_HEAD", "1") != "0"}},
         start_s=started,
     )
     with llm:

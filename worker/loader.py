@@ -130,13 +130,14 @@ def _hf_names(shard: Transformer) -> dict[str, list[str]]:
     return names
 
 
-def _shard(name: str, tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """This rank's part: row-parallel weights split along inputs, column-parallel along outputs."""
+def _shard(name: str, tensor: torch.Tensor, tp: TPGroup, shape: torch.Size) -> torch.Tensor:
+    """This rank's part: row-parallel weights split along inputs, column-parallel along outputs, the LM head by
+    vocabulary rows where the model's ``shape`` says it is split (``Transformer.vocab_tp``)."""
     if tp.size == 1:
         return tensor
     if name.endswith(("wo.weight", "w2.weight")):
         return tensor.chunk(tp.size, dim=1)[tp.rank]
-    if ".wqkv." in name or ".w13." in name:
+    if ".wqkv." in name or ".w13." in name or (name == "output.weight" and shape[0] * tp.size == tensor.shape[0]):
         return tensor.chunk(tp.size, dim=0)[tp.rank]
     return tensor
 
@@ -170,7 +171,7 @@ def _copy_weights(shard: Transformer, lookup, tp: TPGroup, progress: bool) -> No
     checking every shape."""
     params = dict(shard.named_parameters())
     for ours, theirs in tqdm(_hf_names(shard).items(), desc="loading weights", disable=not progress):
-        tensor = torch.cat([_shard(ours, lookup(name), tp) for name in theirs], dim=0)
+        tensor = torch.cat([_shard(ours, lookup(name), tp, params[ours].shape) for name in theirs], dim=0)
         if tensor.shape != params[ours].shape:
             raise ValueError(f"{ours}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[ours].shape)}")
         with torch.no_grad():

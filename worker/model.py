@@ -7,6 +7,8 @@ of layers; with ``TPGroup(size>1)`` heads and the MLP are split over ranks.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -95,13 +97,18 @@ class Transformer(nn.Module):
         self.layer_range = layers if layers is not None else range(config.num_layers)
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == config.num_layers
-        # Embedding and LM head stay whole on every TP rank: simple, and small next to the layers.
+        # The embedding stays whole on every TP rank (a lookup: small next to the layers). The LM head is split by
+        # vocabulary rows where the vocabulary divides (vLLM's ParallelLMHead): whole, its product was 0.275 ms of a
+        # TP=2 decode step's 7.5 ms of kernels on 2xH200, the same as at TP=1 (docs/performance.md, "Two GPUs").
+        # ``VATTN_SPLIT_LM_HEAD=0`` keeps it whole, to measure one against the other.
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size) if self.is_first else None
+        split = os.environ.get("VATTN_SPLIT_LM_HEAD", "1") != "0"
+        self.vocab_tp = tp if split and self.is_last and tp.size > 1 and config.vocab_size % tp.size == 0 else None
         self.layers = nn.ModuleList(Block(config, j, tp) for j in range(len(self.layer_range)))
         self.sums_in_norms = tp if tp.fuses_norms else None  # the last block's output: this rank's part
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.output = Linear(config.hidden_size, config.vocab_size // (tp.size if self.vocab_tp else 1), bias=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
         """``x``: token ids ``[tokens]`` on the first stage, hidden states ``[tokens, hidden]`` after;
@@ -125,5 +132,10 @@ class Transformer(nn.Module):
         """The LM head's output in the model's dtype: a greedy step's argmax and the sampler's draw read it as it is
         (converting to float32 is exact, so it picks the same tokens); what adds to or normalises logits upcasts
         first (``ModelRunner._sample``). Converting every step's logits cost a copy kernel of 0.11 ms a decode
-        step at 256 rows of a 128K vocabulary (docs/performance.md)."""
+        step at 256 rows of a 128K vocabulary (docs/performance.md). With ``vocab_tp`` this rank's slice of the
+        vocabulary: ``whole`` makes the rows whole, ``vocab_tp.argmax_columns`` picks greedy tokens from the slices."""
         return self.output(self.norm(h))
+
+    def whole(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits``' rows over the whole vocabulary (every TP rank must call it where the LM head is split)."""
+        return self.vocab_tp.gather_columns(logits) if self.vocab_tp is not None else logits

@@ -80,6 +80,29 @@ class TPGroup:
             return self.peer.all_reduce_norm(x, residual, weight, eps)
         return rms_norm(self.all_reduce(x), weight, eps, residual)
 
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` side by side along the last dimension, rank 0's first (a vocabulary-parallel LM head's
+        logits: each rank holds its slice of the vocabulary)."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def argmax_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """``gather_columns(x).argmax(-1)`` without gathering ``x``: each rank's best column and its value, exchanged
+        (16 bytes a row), the first of the highest values -- the lowest rank among equals, as the whole row's argmax."""
+        import torch.distributed as dist
+
+        local = x.argmax(-1)
+        # value and column in float64: a 16-bit or float32 value and a column below 2**53 both exact
+        best = torch.stack([x.gather(-1, local[:, None])[:, 0].double(), (local + self.rank * x.shape[-1]).double()], -1)
+        every = [torch.empty_like(best) for _ in range(self.size)]
+        dist.all_gather(every, best, group=self.group)
+        every = torch.stack(every)  # [rank, row, (value, column)]
+        rank = every[..., 0].argmax(0)
+        return every[rank, torch.arange(x.shape[0], device=x.device), 1].long()
+
     def barrier(self, device: torch.device) -> None:
         """Return once every rank's queued work on ``device`` is done and every rank got here."""
         if self.size == 1:

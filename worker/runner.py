@@ -196,7 +196,8 @@ class ModelRunner:
         """``graph_batch`` > 0: decode steps of up to that many sequences replay CUDA graphs (CUDA, a
         backend that does not gather; ``tp``: this rank's group, whose ranks capture theirs in lock-step; a pipeline
         stage its own layers); padding rows use ``scratch_slot``, a slot the caller holds with one token backed.
-        ``samples=False``: a TP rank whose peer samples. ``warm_rows`` > 0 (CUDA): the layers' projections run once at
+        ``samples=False``: a TP rank whose peer samples (every rank samples where the LM head is split by vocabulary:
+        the draw gathers from every rank). ``warm_rows`` > 0 (CUDA): the layers' projections run once at
         row counts up to it (``warm_projections``: a step's most tokens)."""
         self.model = model
         self.cache = cache
@@ -204,7 +205,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self._rope = rope_cache(model.config, self.device)
         self._dtype = next(model.parameters()).dtype
-        self.samples = samples
+        self.samples = samples or model.vocab_tp is not None
         self._penalties: PenaltyState | None = None  # made for the first penalized sequence
         self._graphs = None
         if graph_batch:
@@ -212,8 +213,8 @@ class ModelRunner:
                 raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
             if scratch_slot is None:
                 raise ValueError("CUDA graphs need a scratch slot")
-            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp, logits=samples)
-        self._pads = self.device.type == "cuda" and model.is_last and samples
+            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp, logits=self.samples)
+        self._pads = self.device.type == "cuda" and model.is_last and self.samples
         if self._pads:
             self._warm_logits()
         if self.device.type == "cuda" and warm_rows:
@@ -337,7 +338,7 @@ class ModelRunner:
             for at in range(0, len(c.prompt_targets), PROMPT_ROWS):
                 targets = c.prompt_targets[at : at + PROMPT_ROWS]
                 rows = hidden[firsts[i] + at : firsts[i] + at + len(targets)]
-                logp = self.model.logits(rows).float().log_softmax(-1)
+                logp = self.model.whole(self.model.logits(rows)).float().log_softmax(-1)
                 chosen = logp.gather(1, to_device(torch.tensor(targets), logp.device)[:, None])[:, 0].tolist()
                 if k:
                     top_values, top_ids = (t.tolist() for t in torch.topk(logp, k))
@@ -379,6 +380,11 @@ class ModelRunner:
             if c.params.penalized:
                 penalized.append((row, c))
         logprob_rows = tuple(row for row, i in enumerate(wanted) if chunks[i].params.logprobs is not None)
+        sampled = [row for row, i in enumerate(wanted) if not chunks[i].params.greedy]
+        # An LM head split by vocabulary: greedy rows alone take each rank's best token (16 bytes a row between the
+        # ranks); anything else gathers the whole rows (as vLLM gathers its logits). Every rank decides alike.
+        sliced = self.model.vocab_tp is not None and not (masked or asks or banned or penalized or logprob_rows or sampled)
+        logits = logits if sliced else self.model.whole(logits)
         if masked or asks or banned or penalized or logprob_rows:  # sums and softmaxes in float32, as the draw's
             logits = logits.float()
         raw = logits  # logprobs: the model's own
@@ -389,9 +395,8 @@ class ModelRunner:
         if penalized:
             logits = self._penalties.apply(logits, [row for row, _ in penalized], [c.seq_id for _, c in penalized],
                                            [c.params for _, c in penalized])
-        tokens = logits.argmax(-1)
+        tokens = self.model.vocab_tp.argmax_columns(logits) if sliced else logits.argmax(-1)
         # The draws: every sampled row's first, then the later ones of each n > 1, row by row (``more``'s order).
-        sampled = [row for row, i in enumerate(wanted) if not chunks[i].params.greedy]
         draws = [(row, 0) for row in sampled]
         more, later_from = [], {}  # row -> where its later draws start among the draws
         for row in sampled:

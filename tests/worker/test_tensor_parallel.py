@@ -1,5 +1,6 @@
 """Tensor parallelism over torch.distributed (gloo, two CPU processes): the sharded model -- heads and MLP
-split, partial sums all-reduced, each rank caching only its KV heads -- gives the unsharded logits."""
+split, partial sums all-reduced, each rank caching only its KV heads, the LM head split by vocabulary where it
+divides -- gives the unsharded logits and greedy tokens."""
 
 from __future__ import annotations
 
@@ -32,6 +33,80 @@ def step_logprobs(path: str, tp: TPGroup) -> list[dict[int, float]]:
         (token,) = first.sampled[1]
         second = runner.execute(StepPlan((ScheduledChunk(1, slot, (token,), len(PROMPT), 1, LOGPROBS, 0, 1),)))
         return [first.logprobs[1][0].top_logprobs, second.logprobs[1][0].top_logprobs]
+
+
+def greedy_tokens(path: str, tp: TPGroup, samples: bool = True) -> tuple[list[int], int]:
+    """Prefill PROMPT and decode 6 greedy tokens (no logprobs: split LM heads exchange each rank's best token only);
+    and the LM head's rows on this rank. ``samples``: the runner's (a rank whose peer samples: False)."""
+    model = build_model(path, torch.float32, tp=tp)
+    c = model.config
+    spec = KVCacheSpec(c.num_layers, c.num_kv_heads // tp.size, c.head_dim, torch.float32, 2, 64, "mega", 4096)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    with VirtualKVCache(spec, 16 * 4096) as cache:
+        runner = ModelRunner(model, cache, get_backend("torch"), "cpu", samples=samples)
+        slot = cache.alloc_slot()
+        cache.ensure(slot, len(PROMPT) + 8)
+        tokens, chunk = [], ScheduledChunk(1, slot, tuple(PROMPT), 0, 1, greedy, 0, 0)
+        for k in range(7):
+            (token,) = runner.execute(StepPlan((chunk,))).sampled[1]
+            tokens.append(token)
+            chunk = ScheduledChunk(1, slot, (token,), len(PROMPT) + k, 1, greedy, 0, k + 1)
+        return tokens, model.output.weight.shape[0]
+
+
+def _greedy_rank(rank: int, size: int, init: str, path: str, out: str, samples: bool) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        torch.save(greedy_tokens(path, TPGroup(rank, size), samples or rank == 0), f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("vocab, split", [(320, True), (321, False), (320, False)])
+def test_two_ranks_draw_the_single_ranks_greedy_tokens_with_the_lm_head_split_where_the_vocabulary_divides(
+        tmp_path, monkeypatch, vocab, split):
+    # 320: each rank holds 160 rows of the LM head and the ranks exchange their best token a row; rank 1 is built as
+    # a rank whose peer samples (samples=False), and samples all the same: the exchange needs both. 321: whole heads,
+    # each rank sampling on its own (here both, so that each has its tokens to feed back); and whole heads at 320 where
+    # ``VATTN_SPLIT_LM_HEAD=0`` asks for them.
+    if vocab % 2 == 0 and not split:
+        monkeypatch.setenv("VATTN_SPLIT_LM_HEAD", "0")
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    expected, rows = greedy_tokens(str(tmp_path / "model"), TPGroup())
+    assert rows == vocab
+    out = str(tmp_path / "tokens")
+    mp.spawn(_greedy_rank, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path / "model"), out, not split),
+             nprocs=2, join=True)
+    for rank in range(2):
+        tokens, rows = torch.load(f"{out}.{rank}")
+        assert rows == (vocab // 2 if split else vocab)
+        assert tokens == expected
+
+
+def _columns_rank(rank: int, size: int, init: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        whole = torch.tensor([[1.0, 5.0, 2.0, 5.0, 0.0, 5.0],  # a tie within rank 0's slice and across ranks
+                              [0.0, 1.0, 2.0, 3.0, 7.0, 7.0],  # the best in rank 2's slice, tied within it
+                              [4.0, 0.0, 0.0, 4.0, 0.0, 4.0],  # tied in every slice
+                              [-3.0, -2.0, -1.0, -9.0, -9.0, -9.0]]).to(torch.bfloat16)
+        tp = TPGroup(rank, size)
+        part = whole.chunk(size, dim=-1)[rank]
+        torch.save((tp.gather_columns(part), tp.argmax_columns(part)), f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_split_rows_gather_whole_and_their_argmax_is_the_whole_rows_first_best(tmp_path):
+    out = str(tmp_path / "columns")
+    mp.spawn(_columns_rank, args=(3, f"file://{tmp_path}/rendezvous", out), nprocs=3, join=True)
+    for rank in range(3):
+        whole, best = torch.load(f"{out}.{rank}")
+        assert whole.dtype == torch.bfloat16 and whole[:, 4].tolist() == [0.0, 7.0, 0.0, -9.0]
+        assert best.tolist() == whole.argmax(-1).tolist() == [1, 4, 0, 2]
 
 
 def _rank(rank: int, size: int, init: str, path: str, out: str, overlap_rows: int = 0) -> None:
