@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -59,9 +60,18 @@ def busy(url):
 
 
 def test_the_page_draws_used_and_shared_pages_and_loads_nothing_from_elsewhere(url, busy):
-    r = httpx.get(f"{url}/dashboard")
-    assert r.status_code == 200 and r.headers["content-security-policy"] == "default-src 'none'; style-src 'unsafe-inline'"
-    page = r.text
+    # The samples' own tails appear once each has written past the prompt's pages they share, a few steps after
+    # their first tokens streamed (later on a loaded machine): the page is read until it shows them, as a user's
+    # refreshing page would.
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.get(f"{url}/dashboard")
+        assert r.status_code == 200
+        page = r.text
+        if len(re.findall(r'class="pU"', page)) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.headers["content-security-policy"] == "default-src 'none'; style-src 'unsafe-inline'"
     assert len(re.findall(r'class="pU"', page)) >= 4  # the long request and the four samples' own tails
     assert re.search(r'class="pS"', page)  # the samples share their prompt's pages
     assert re.search(r'class="pR"', page)  # ... and each slot's range beyond is reserved only
