@@ -96,7 +96,8 @@ class TPGroup:
 
         local = x.argmax(-1)
         # value and column in float64: a 16-bit or float32 value and a column below 2**53 both exact
-        best = torch.stack([x.gather(-1, local[:, None])[:, 0].double(), (local + self.rank * x.shape[-1]).double()], -1)
+        value = x.gather(-1, local[:, None])[:, 0]
+        best = torch.stack([value.double(), (local + self.rank * x.shape[-1]).double()], -1)
         every = [torch.empty_like(best) for _ in range(self.size)]
         dist.all_gather(every, best, group=self.group)
         every = torch.stack(every)  # [rank, row, (value, column)]

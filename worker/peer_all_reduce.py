@@ -62,9 +62,8 @@ class PeerAllReduce:
         None (NCCL then takes every sum) where symmetric memory does not work here, saying why. Every rank must
         call it, and they agree: a rank whose check failed makes every rank return None (``TPGroup.failed_rank``).
         ``kernel``: "one_shot" (torch's) or "lamport" (ours); None: ``VATTN_PEER_ALL_REDUCE``, else "lamport" where
-        Triton is installed (on
-        2xH200 a TP=2 decode step in CUDA graphs took 8.47 ms with it against 8.87 with torch's, and it fuses the
-        norms after the sums; docs/performance.md, "Two GPUs")."""
+        Triton is installed (on 2xH200 a TP=2 decode step in CUDA graphs took 8.47 ms with it against 8.87 with
+        torch's, and it fuses the norms after the sums; docs/performance.md, "Two GPUs")."""
         import torch.distributed as dist
 
         kernel = kernel or os.environ.get("VATTN_PEER_ALL_REDUCE") or ("lamport" if triton is not None else "one_shot")
@@ -79,8 +78,8 @@ class PeerAllReduce:
         buffer = _on_every_rank(tp, device, _allocate, tp.size, device, max_bytes, lamport)
         if buffer is None:
             return None
-        peer = _on_every_rank(tp, device, _exchange, cls, buffer, tp, group_name, device, max_bytes, lamport)
-        if peer is None or _on_every_rank(tp, device, _probe, peer, tp, device, lamport) is None:
+        peer = _on_every_rank(tp, device, _exchange, buffer, tp, group_name, device, max_bytes, lamport)
+        if peer is None or _on_every_rank(tp, device, _probe, peer, tp, device) is None:
             return None
         return peer
 
@@ -157,26 +156,27 @@ def _allocate(world: int, device: torch.device, max_bytes: int, lamport: bool) -
     return buffer
 
 
-def _exchange(cls, buffer: torch.Tensor, tp, group_name: str, device: torch.device, max_bytes: int,
-              lamport: bool) -> "PeerAllReduce":
+def _exchange(buffer: torch.Tensor, tp, group_name: str, device: torch.device, max_bytes: int,
+              lamport: bool) -> PeerAllReduce:
     """The buffers exchanged (a collective), then this rank's own checks."""
     import torch.distributed._symmetric_memory as symm_mem
 
     handle = symm_mem.rendezvous(buffer, group_name)
     if not lamport:
-        return cls(buffer, group_name, max_bytes)
+        return PeerAllReduce(buffer, group_name, max_bytes)
     if handle.buffer_ptrs[tp.rank] != buffer.data_ptr():
         raise RuntimeError("the Lamport kernel needs its buffer at its own address")
     state = LamportState(torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
                          torch.zeros(3, dtype=torch.int64, device=device), tp.rank, tp.size, max_bytes // 2)
-    return cls(buffer, group_name, max_bytes, state)
+    return PeerAllReduce(buffer, group_name, max_bytes, state)
 
 
-def _probe(peer: "PeerAllReduce", tp, device: torch.device, lamport: bool) -> bool:
+def _probe(peer: PeerAllReduce, tp, device: torch.device) -> bool:
     """A sum every rank can verify: each adds rank + 1, n(n+1)/2 exactly (float32, or bfloat16 for the Lamport kernel,
     which sums 16-bit types). After a barrier: every rank's buffers hold the sentinel before any rank sends a part."""
     tp.barrier(device)
-    x = torch.full((1024,), float(tp.rank + 1), dtype=torch.bfloat16 if lamport else torch.float32, device=device)
+    x = torch.full((1024,), float(tp.rank + 1), dtype=torch.bfloat16 if peer.sums_in_float32 else torch.float32,
+                   device=device)
     peer.all_reduce(x)
     if not bool((x == tp.size * (tp.size + 1) / 2).all()):
         raise RuntimeError(f"a probe sum over {tp.size} ranks came out as {x[0].item()}")

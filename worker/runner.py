@@ -213,7 +213,8 @@ class ModelRunner:
                 raise ValueError("CUDA graphs need a CUDA device and an attention backend that reads the cache in place")
             if scratch_slot is None:
                 raise ValueError("CUDA graphs need a scratch slot")
-            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp, logits=self.samples)
+            self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp,
+                                        logits=self.samples)
         self._pads = self.device.type == "cuda" and model.is_last and self.samples
         if self._pads:
             self._warm_logits()
@@ -383,7 +384,8 @@ class ModelRunner:
         sampled = [row for row, i in enumerate(wanted) if not chunks[i].params.greedy]
         # An LM head split by vocabulary: greedy rows alone take each rank's best token (16 bytes a row between the
         # ranks); anything else gathers the whole rows (as vLLM gathers its logits). Every rank decides alike.
-        sliced = self.model.vocab_tp is not None and not (masked or asks or banned or penalized or logprob_rows or sampled)
+        sliced = self.model.vocab_tp is not None and not (masked or asks or banned or penalized or logprob_rows
+                                                          or sampled)
         logits = logits if sliced else self.model.whole(logits)
         if masked or asks or banned or penalized or logprob_rows:  # sums and softmaxes in float32, as the draw's
             logits = logits.float()
