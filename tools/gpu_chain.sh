@@ -10,9 +10,11 @@
 #   call 5:          carry [".sdist", ".gpu/vllm/p5"]     bash tools/gpu_chain.sh builds [pytest args]
 #                    (".gpu/vllm/p5" with --vllm only; the builds and vLLM's install run in the background, the GPU
 #                    tests named by the pytest args meanwhile, their log in $OUT)
-#   call 6:          carry [".gpu/ray1", ".gpu/vcache"]   bash tools/gpu_chain.sh ray1
-#                    (".gpu/vcache": vLLM's and FlashInfer's caches from an earlier run, where `save-caches` kept them:
-#                    vLLM's first start at TP=2 compiled for ~300 s without them)
+#   call 6:          carry [".gpu/ray1"]                  bash tools/gpu_chain.sh ray1
+#   call 6b:         carry [".gpu/vcache"]                bash tools/gpu_chain.sh caches
+#                    (vLLM's and FlashInfer's caches from an earlier run, where `save-caches` kept them: vLLM's first
+#                    start at TP=2 compiled for ~300 s without them; a call of their own, as with Ray's first part they
+#                    passed the 64 MiB a call carries)
 #   call 7:          carry [".gpu/ray2", ".gpu/whl", ".gpu/pyspy"]
 #                                                         bash tools/gpu_chain.sh start '<job>'
 #   calls 8...:      bash tools/gpu_chain.sh poll 540     (timeout 580; until it says "finished"), then give_back
@@ -130,9 +132,8 @@ case $cmd in
   prepare) prepare "$@";;
   vllm-part) mkdir -p /tmp/vc && cp .gpu/vllm/p"$1"/* /tmp/vc/ && ls /tmp/vc;;
   builds) builds "$@";;
-  ray1) mkdir -p /tmp/vattn && cp .gpu/ray1/* /tmp/vattn/ && ls /tmp/vattn
-        if [ -f .gpu/vcache/vcache.tgz ]; then mkdir -p /root/.cache && tar xzf .gpu/vcache/vcache.tgz -C /root/.cache \
-          && echo "vLLM's and FlashInfer's caches restored"; fi;;
+  ray1) mkdir -p /tmp/vattn && cp .gpu/ray1/* /tmp/vattn/ && ls /tmp/vattn;;
+  caches) mkdir -p /root/.cache && tar xzf .gpu/vcache/vcache.tgz -C /root/.cache && echo "vLLM's and FlashInfer's caches restored";;
   save-caches) tar czf /tmp/vcache.tgz -C /root/.cache vllm flashinfer && split -b 15M /tmp/vcache.tgz "$OUT/vcache.tgz.part_" \
           && ls -la "$OUT";;
   start) start "$@";;
