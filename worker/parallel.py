@@ -94,15 +94,14 @@ class TPGroup:
         (16 bytes a row), the first of the highest values -- the lowest rank among equals, as the whole row's argmax."""
         import torch.distributed as dist
 
-        local = x.argmax(-1)
+        local = x.argmax(-1, keepdim=True)
         # value and column in float64: a 16-bit or float32 value and a column below 2**53 both exact
-        value = x.gather(-1, local[:, None])[:, 0]
-        best = torch.stack([value.double(), (local + self.rank * x.shape[-1]).double()], -1)
-        every = [torch.empty_like(best) for _ in range(self.size)]
-        dist.all_gather(every, best, group=self.group)
-        every = torch.stack(every)  # [rank, row, (value, column)]
-        rank = every[..., 0].argmax(0)
-        return every[rank, torch.arange(x.shape[0], device=x.device), 1].long()
+        best = torch.cat([x.gather(-1, local).double(), (local + self.rank * x.shape[-1]).double()], -1)
+        every = best.new_empty(self.size * best.shape[0], 2)  # rank-major: [rank, row, (value, column)] flat
+        dist.all_gather_into_tensor(every, best, group=self.group)
+        every = every.view(self.size, -1, 2)
+        rank = every[..., 0].argmax(0, keepdim=True)
+        return every[..., 1].gather(0, rank)[0].long()
 
     def barrier(self, device: torch.device) -> None:
         """Return once every rank's queued work on ``device`` is done and every rank got here."""
