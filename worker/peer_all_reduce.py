@@ -8,15 +8,16 @@ No NVLink multicast (the machines keep it off): the one-shot kernel needs only p
 is the same idea in its own kernel.
 
 16-bit sums go by default through a kernel of ours that needs no barrier (``VATTN_PEER_ALL_REDUCE=one_shot`` picks
-torch's), TensorRT-LLM's Lamport scheme: each rank writes its part into every rank's buffer, and
-each adds the parts in rank order as they arrive -- a value that is not the sentinel (negative zero, which no part
-carries: a part's -0 is sent as +0) has arrived. The one-shot kernel's barrier is a round trip between the GPUs
-before any byte moves; here the parts move at once and the wait is for them. Three buffers take the calls in turn,
-and a call first sets the one the call before used back to the sentinel: no rank writes into it again before this
-rank's next call has sent its part, which comes after this call on this rank's stream (all of it: the call before's
-element count is kept beside the counter, since a smaller sum may follow a larger one). Which buffer a call uses is a
-counter on the device, so CUDA graphs replay the sums as eager steps run them; the sums of a group must therefore come
-from one stream at a time, in the same order on every rank (as a step's layers make them).
+torch's), TensorRT-LLM's Lamport scheme: each rank writes its part into every other rank's buffer, and
+each adds the parts in rank order as they arrive (its own from its registers) -- a value that is not the sentinel
+(negative zero, which no part carries: a part's -0 is sent as +0) has arrived. The one-shot kernel's barrier is a round
+trip between the GPUs before any byte moves; here the parts move at once and the wait is for them. Three buffers take
+the calls in turn, and a call, once its part is sent, sets the one the call before used back to the sentinel: no rank
+writes into it again before this rank's next call has sent its part, which comes after this call on this rank's stream
+(all of it: the call before's element count is kept beside the counter, since a smaller sum may follow a larger one).
+Which buffer a call uses is a counter on the device, so CUDA graphs replay the sums as eager steps run them; the sums
+of a group must therefore come from one stream at a time, in the same order on every rank (as a step's layers make
+them).
 """
 
 from __future__ import annotations
@@ -214,49 +215,59 @@ if triton is not None:
     _SENTINEL = tl.constexpr(SENTINEL)
 
     # A rank's buffer is three buffers of ``WORLD`` regions of ``region`` elements, region r of a buffer holding rank
-    # r's part; ``state``: the call counter, the call's programs done, and the call before's element count (a smaller
-    # call after a larger one must still reset all that the larger wrote). The buffers' blocks are 16-byte aligned runs
-    # (a buffer is; a region's size, a program's first element and a row are multiples of 8 elements), which an address
-    # read from ``ptrs`` does not tell the compiler (the ``multiple_of``s): without them every access moved 2 bytes.
+    # r's part (a rank's own region stays the sentinel: its part stays in registers); ``state``: the call counter, the
+    # call's programs done, and the call before's element count (a smaller call after a larger one must still reset all
+    # that the larger wrote). The buffers' blocks are 16-byte aligned runs (a buffer is; a region's size, a program's
+    # first element and a row are multiples of 8 elements), which an address read from ``ptrs`` does not tell the
+    # compiler (the ``multiple_of``s): without them every access moved 2 bytes.
 
     @triton.jit
-    def _lamport_begin(state_ptr, own, region, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-        """Set all of the call before's buffer back to the sentinel, for the call after next; this call's number."""
-        call = tl.load(state_ptr)
-        n_before = tl.multiple_of(tl.load(state_ptr + 2), 8)  # a multiple of 8 (``fits``)
+    def _lamport_reset(own, call, n_before, region, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+        """Set the parts the call before received back to the sentinel, for the call after next. After this call's
+        part has gone: no rank writes into that buffer before this rank's next call has sent its part."""
         used_before = (call + 2) % 3
         sentinel = tl.full([BLOCK], _SENTINEL, tl.int16).to(own.dtype.element_ty, bitcast=True)
         lanes = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
         for start in range(tl.program_id(0) * BLOCK, n_before, tl.num_programs(0) * BLOCK):
             at = start + lanes
             for r in tl.static_range(WORLD):
-                dst = tl.multiple_of(own + (used_before * WORLD + r) * region + at, 16)
-                tl.store(dst, sentinel, mask=at < n_before)
-        return call
+                if r != RANK:
+                    dst = tl.multiple_of(own + (used_before * WORLD + r) * region + at, 16)
+                    tl.store(dst, sentinel, mask=at < n_before)
 
     @triton.jit
-    def _lamport_sum(x_ptr, offs, mask, own, ptrs_ptr, call, region, RANK: tl.constexpr, WORLD: tl.constexpr,
+    def _lamport_sum(x_ptr, offs, mask, ptrs_ptr, state_ptr, region, RANK: tl.constexpr, WORLD: tl.constexpr,
                      BLOCK: tl.constexpr):
-        """This rank's part of ``x[offs]`` into every rank's buffer, then every rank's part as it arrives, added in
-        rank order (every rank adds alike, and gets the same bits), in float32."""
+        """This rank's part of ``x[offs]`` into every other rank's buffer, then every rank's part, the others' as they
+        arrive, added in rank order (every rank adds alike, and gets the same bits), in float32; and this call's
+        number. The part goes out first; the reset of the call before's buffer runs while it travels, and this rank's
+        own part never leaves its registers."""
         dtype = x_ptr.dtype.element_ty
+        call = tl.load(state_ptr)
+        n_before = tl.multiple_of(tl.load(state_ptr + 2), 8)  # a multiple of 8 (``fits``)
         use = call % 3
         bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
         # -0 would read as not arrived: it is sent as +0
         part = tl.where(bits == _SENTINEL, tl.zeros_like(bits), bits).to(dtype, bitcast=True)
         for p in tl.static_range(WORLD):
-            peer = tl.load(ptrs_ptr + p).to(tl.pointer_type(dtype))
-            tl.store(tl.multiple_of(peer + (use * WORLD + RANK) * region + offs, 16), part, mask=mask)
+            if p != RANK:
+                peer = tl.load(ptrs_ptr + p).to(tl.pointer_type(dtype))
+                tl.store(tl.multiple_of(peer + (use * WORLD + RANK) * region + offs, 16), part, mask=mask)
+        own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype))
+        _lamport_reset(own, call, n_before, region, RANK, WORLD, BLOCK)
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
-            src = tl.multiple_of(own + (use * WORLD + r) * region + offs, 16)
-            got = tl.load(src, mask=mask, other=0.0, volatile=True)
-            waiting = tl.sum((got.to(tl.int16, bitcast=True) == _SENTINEL).to(tl.int32), axis=0)
-            while waiting > 0:
+            if r == RANK:
+                total += part.to(tl.float32)
+            else:
+                src = tl.multiple_of(own + (use * WORLD + r) * region + offs, 16)
                 got = tl.load(src, mask=mask, other=0.0, volatile=True)
                 waiting = tl.sum((got.to(tl.int16, bitcast=True) == _SENTINEL).to(tl.int32), axis=0)
-            total += got.to(tl.float32)
-        return total
+                while waiting > 0:
+                    got = tl.load(src, mask=mask, other=0.0, volatile=True)
+                    waiting = tl.sum((got.to(tl.int16, bitcast=True) == _SENTINEL).to(tl.int32), axis=0)
+                total += got.to(tl.float32)
+        return total, call
 
     @triton.jit
     def _lamport_end(state_ptr, call, n):
@@ -272,9 +283,7 @@ if triton is not None:
         """``x[:n]`` summed over the ranks in place, ``BLOCK`` elements a program."""
         offs = tl.max_contiguous(tl.multiple_of(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < n
-        own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        call = _lamport_begin(state_ptr, own, region, WORLD, BLOCK)
-        total = _lamport_sum(x_ptr, offs, mask, own, ptrs_ptr, call, region, RANK, WORLD, BLOCK)
+        total, call = _lamport_sum(x_ptr, offs, mask, ptrs_ptr, state_ptr, region, RANK, WORLD, BLOCK)
         tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
         _lamport_end(state_ptr, call, n)
 
@@ -288,9 +297,8 @@ if triton is not None:
         cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = cols < hidden
         offs = tl.multiple_of(tl.program_id(0).to(tl.int64) * hidden, 8) + cols
-        own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype))
-        call = _lamport_begin(state_ptr, own, region, WORLD, BLOCK)
-        x = _lamport_sum(x_ptr, offs, mask, own, ptrs_ptr, call, region, RANK, WORLD, BLOCK).to(dtype)
+        x, call = _lamport_sum(x_ptr, offs, mask, ptrs_ptr, state_ptr, region, RANK, WORLD, BLOCK)
+        x = x.to(dtype)
         h = add_residual(x, tl.load(r_ptr + offs, mask=mask, other=0.0))
         tl.store(h_ptr + offs, h, mask=mask)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
