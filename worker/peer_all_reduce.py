@@ -222,18 +222,21 @@ if triton is not None:
     # compiler (the ``multiple_of``s): without them every access moved 2 bytes.
 
     @triton.jit
-    def _lamport_reset(own, call, n_before, region, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    def _lamport_reset(own, call, state_ptr, region, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
         """Set the parts the call before received back to the sentinel, for the call after next. After this call's
         part has gone: no rank writes into that buffer before this rank's next call has sent its part."""
+        n_before = tl.multiple_of(tl.load(state_ptr + 2), 8)  # a multiple of 8 (``fits``)
         used_before = (call + 2) % 3
         sentinel = tl.full([BLOCK], _SENTINEL, tl.int16).to(own.dtype.element_ty, bitcast=True)
         lanes = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
-        for start in range(tl.program_id(0) * BLOCK, n_before, tl.num_programs(0) * BLOCK):
+        start = tl.program_id(0) * BLOCK
+        while start < n_before:  # not a range(): Triton 3.6's interpreter takes no loaded bound there
             at = start + lanes
             for r in tl.static_range(WORLD):
                 if r != RANK:
                     dst = tl.multiple_of(own + (used_before * WORLD + r) * region + at, 16)
                     tl.store(dst, sentinel, mask=at < n_before)
+            start += tl.num_programs(0) * BLOCK
 
     @triton.jit
     def _lamport_sum(x_ptr, offs, mask, ptrs_ptr, state_ptr, region, RANK: tl.constexpr, WORLD: tl.constexpr,
@@ -244,7 +247,6 @@ if triton is not None:
         own part never leaves its registers."""
         dtype = x_ptr.dtype.element_ty
         call = tl.load(state_ptr)
-        n_before = tl.multiple_of(tl.load(state_ptr + 2), 8)  # a multiple of 8 (``fits``)
         use = call % 3
         bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
         # -0 would read as not arrived: it is sent as +0
@@ -254,7 +256,7 @@ if triton is not None:
                 peer = tl.load(ptrs_ptr + p).to(tl.pointer_type(dtype))
                 tl.store(tl.multiple_of(peer + (use * WORLD + RANK) * region + offs, 16), part, mask=mask)
         own = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype))
-        _lamport_reset(own, call, n_before, region, RANK, WORLD, BLOCK)
+        _lamport_reset(own, call, state_ptr, region, RANK, WORLD, BLOCK)
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
             if r == RANK:
