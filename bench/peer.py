@@ -46,6 +46,8 @@ from cluster.engine import LLM
 from peer_spec import (PeerMismatch, SideResult, SideSpec, WorkloadRun, check_comparable, digest,
                        steady_running)
 from worker.heap import freeze_heap
+from worker.model import splits_lm_head
+from worker.peer_all_reduce import default_kernel
 from worker.sampling import SamplingParams
 
 GiB = 1 << 30
@@ -259,8 +261,7 @@ def run_vattn(spec: SideSpec, out: Path) -> None:
         engine_args={"asked": spec.engine_args, "resolved": resolved | {
             "attention": llm.plan.attention, "async_depth": llm.plan.async_depth,
             "pipeline_handoff": llm.plan.pipeline_handoff,
-            "peer_all_reduce": os.environ.get("VATTN_PEER_ALL_REDUCE", "lamport"),
-            "split_lm_head": os.environ.get("VATTN_SPLIT_LM_HEAD", "1") != "0"}},
+            "peer_all_reduce": default_kernel(), "split_lm_head": splits_lm_head()}},
         start_s=started,
     )
     with llm:

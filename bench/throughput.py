@@ -132,7 +132,8 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
     default where it runs), ``/channel`` the compiled graph's channel (``"channel"``), ``/depthN`` N steps in flight
     with async scheduling (``async_depth``), ``/oneshot`` TP's small sums through torch's one-shot kernel, not our
     Lamport kernel (``VATTN_PEER_ALL_REDUCE=one_shot``, which the Ray workers take from this process), ``/wholehead``
-    the LM head whole on every TP rank, not split by vocabulary (``VATTN_SPLIT_LM_HEAD=0``); ``#k`` names a repeat. The warm-up runs every prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
+    the LM head whole on every TP rank, not split by vocabulary (``VATTN_SPLIT_LM_HEAD=0``); ``#k`` names a repeat.
+    The warm-up runs every prompt's first ``warmup_tokens``; ``options`` go to the engine as they are."""
     name = run.partition("#")[0]
     overlap = False if "/sync" in name else True if "/async" in name else None
     graphs = False if "/eager" in name else True if "/graphs" in name else None

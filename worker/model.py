@@ -87,6 +87,13 @@ class Block(nn.Module):
         return self.feed_forward(normed), h
 
 
+def splits_lm_head() -> bool:
+    """Whether TP ranks split the LM head by vocabulary rows: yes unless ``VATTN_SPLIT_LM_HEAD=0``, which keeps it whole
+    on every rank, to measure one against the other. Split, it took 0.13 ms off a TP=2 decode step of 6.6 ms on
+    2xH200, the whole head in the same call (docs/performance.md, "Two GPUs")."""
+    return os.environ.get("VATTN_SPLIT_LM_HEAD", "1") != "0"
+
+
 class Transformer(nn.Module):
     """Layers ``layers`` of the model (all of them by default); the first stage embeds, the last
     normalises and produces logits."""
@@ -98,12 +105,10 @@ class Transformer(nn.Module):
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == config.num_layers
         # The embedding stays whole on every TP rank (a lookup: small next to the layers). The LM head is split by
-        # vocabulary rows where the vocabulary divides (vLLM's ParallelLMHead): whole, its product was 0.275 ms of a
-        # TP=2 decode step's 7.5 ms of kernels on 2xH200, the same as at TP=1 (docs/performance.md, "Two GPUs").
-        # ``VATTN_SPLIT_LM_HEAD=0`` keeps it whole, to measure one against the other.
+        # vocabulary rows where the vocabulary divides (vLLM's ParallelLMHead; ``splits_lm_head``).
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size) if self.is_first else None
-        split = os.environ.get("VATTN_SPLIT_LM_HEAD", "1") != "0"
-        self.vocab_tp = tp if split and self.is_last and tp.size > 1 and config.vocab_size % tp.size == 0 else None
+        split = splits_lm_head() and self.is_last and tp.size > 1 and config.vocab_size % tp.size == 0
+        self.vocab_tp = tp if split else None
         self.layers = nn.ModuleList(Block(config, j, tp) for j in range(len(self.layer_range)))
         self.sums_in_norms = tp if tp.fuses_norms else None  # the last block's output: this rank's part
         if self.is_last:

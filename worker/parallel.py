@@ -94,9 +94,9 @@ class TPGroup:
         (16 bytes a row), the first of the highest values -- the lowest rank among equals, as the whole row's argmax."""
         import torch.distributed as dist
 
-        local = x.argmax(-1, keepdim=True)
+        value, local = x.max(-1, keepdim=True)  # one reduction: the first of the highest, as ``argmax``
         # value and column in float64: a 16-bit or float32 value and a column below 2**53 both exact
-        best = torch.cat([x.gather(-1, local).double(), (local + self.rank * x.shape[-1]).double()], -1)
+        best = torch.cat([value.double(), (local + self.rank * x.shape[-1]).double()], -1)
         every = best.new_empty(self.size * best.shape[0], 2)  # rank-major: [rank, row, (value, column)] flat
         dist.all_gather_into_tensor(every, best, group=self.group)
         every = every.view(self.size, -1, 2)

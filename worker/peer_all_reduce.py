@@ -67,7 +67,7 @@ class PeerAllReduce:
         torch's, and it fuses the norms after the sums; docs/performance.md, "Two GPUs")."""
         import torch.distributed as dist
 
-        kernel = kernel or os.environ.get("VATTN_PEER_ALL_REDUCE") or ("lamport" if triton is not None else "one_shot")
+        kernel = kernel or default_kernel()
         if kernel not in KERNELS:
             raise ValueError(f"peer all-reduce kernel must be one of {KERNELS}, got {kernel!r} (VATTN_PEER_ALL_REDUCE)")
         group_name = (tp.group if tp.group is not None else dist.group.WORLD).group_name
@@ -125,6 +125,12 @@ class PeerAllReduce:
         # One kernel: the copy into the shared buffer, a barrier with the peers, their parts read and added into ``x``.
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(shared, flat, "sum", self.group_name, flat)
         return x
+
+
+def default_kernel() -> str:
+    """The kernel ``PeerAllReduce.connect`` takes when not told: ``VATTN_PEER_ALL_REDUCE``, else "lamport" where Triton
+    is installed, else torch's "one_shot"."""
+    return os.environ.get("VATTN_PEER_ALL_REDUCE") or ("lamport" if triton is not None else "one_shot")
 
 
 def _on_every_rank(tp, device: torch.device, step, *args):
