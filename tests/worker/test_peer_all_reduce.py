@@ -1,7 +1,8 @@
 """The peer-memory all-reduce on two GPUs (two processes, NCCL beside it), torch's one-shot kernel and our Lamport
 kernel: the same sums as NCCL's, eagerly and replayed from a CUDA graph, and NCCL for what it does not take; whether
 processes that see one GPU each (as Ray lends them) can share peer memory at all; a step of the connection failing on
-one rank only; and the ranks' agreement on a failure, over gloo, not waiting for the device."""
+one rank only; the ranks' agreement on a failure, over gloo, not waiting for the device; and the greedy pick of an LM
+head split by vocabulary, over NCCL."""
 
 from __future__ import annotations
 
@@ -194,3 +195,23 @@ def test_the_ranks_agree_on_a_failure_without_waiting_for_the_device(tmp_path):
         assert waited < 0.2 and nobody is None and failed == 1
         waited, nobody, failed = timings["nccl"]
         assert waited > 0.2 and nobody is None and failed == 1  # the old way: behind the queued work
+
+
+def _pick_rank(rank: int, init: str, out: str) -> None:
+    device = _join(rank, init, isolated=False)
+    try:
+        whole = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        whole[:8] = 1.0  # every column ties: the first
+        whole[8:16, 3] = whole[8:16, 600] = 50.0  # a tie across the ranks: rank 0's column
+        whole[16:24, 700] = whole[16:24, 900] = 50.0  # a tie within rank 1's half
+        half = whole.chunk(2, dim=-1)[rank].contiguous().to(device)
+        torch.save((TPGroup(rank, 2).argmax_columns(half).cpu(), whole.float().argmax(-1)), f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_split_lm_heads_greedy_pick_over_nccl_is_the_whole_rows_argmax(tmp_path):
+    """``TPGroup.argmax_columns`` on the GPUs (CUDA's max and NCCL's gather): each rank's half of the vocabulary gives
+    the whole row's argmax on both ranks, ties included (the first of the highest, as the whole row's)."""
+    for picked, want in _two_ranks(_pick_rank, tmp_path):
+        assert torch.equal(picked, want)
