@@ -246,7 +246,8 @@ def main() -> None:
             # What the engine saw against what the client saw: the difference is the serving path's.
             r["engine_mean_s"] = engine_means(before, metrics())
             print(f"  engine-side means: {json.dumps({k: v and round(v, 4) for k, v in r['engine_mean_s'].items()})}; "
-                  f"client TTFT mean {r['ttft_s']['mean']:.4f} s, e2e mean {r['e2e_s']['mean']:.4f} s", file=sys.stderr)
+                  f"client TTFT mean {r['ttft_s']['mean'] and round(r['ttft_s']['mean'], 4)} s, "
+                  f"e2e mean {r['e2e_s']['mean'] and round(r['e2e_s']['mean'], 4)} s", file=sys.stderr)
         print(f"{f'{rate:g} req/s' if rate else f'{c} clients'}: {r['requests']} requests in {r['wall_s']:.1f} s, "
               f"{r['output_tok_s']:.0f} output tok/s, {r['errors']} errors", file=sys.stderr, flush=True)
     ms = lambda x: None if x is None else round(1e3 * x, 1)  # noqa: E731
