@@ -6,7 +6,9 @@ carry several tokens), time per output token ((e2e - TTFT) / (tokens - 1), per r
     python bench/serving.py --model tiny --device cpu --concurrency 1 16 64 256         # starts the server itself
     python bench/serving.py --url http://127.0.0.1:8000 --served-name smollm2 ...       # or measures a running one
 
-Prompts are random token ids (exact input lengths), greedy, EOS ignored, every request streams with usage.
+Prompts are random token ids (exact input lengths), greedy, EOS ignored, every request streams with usage;
+``--text`` sends them as text and ``--temperature -1`` leaves the draw to the server's default, as vLLM's
+``vllm bench serve`` does.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import report  # noqa: E402
+from worker.tokenizer import load_tokenizer  # noqa: E402
 
 
 @dataclass
@@ -105,15 +108,17 @@ async def one(client: aiohttp.ClientSession, url: str, body: dict) -> Sample:
     return s
 
 
-async def level(url: str, name: str, prompts: list[list[int]], output: int, concurrency: int, key: str | None,
-                rate: float | None = None) -> dict:
-    """``prompts`` at most ``concurrency`` at a time, or arriving as a Poisson process of ``rate`` requests/s."""
+async def level(url: str, name: str, prompts: list, output: int, concurrency: int, key: str | None,
+                rate: float | None = None, temperature: float | None = 0.0) -> dict:
+    """``prompts`` (token ids or text) at most ``concurrency`` at a time, or arriving as a Poisson process of ``rate``
+    requests/s; ``temperature`` None leaves it to the server's default (as ``vllm bench serve`` does)."""
     gate = asyncio.Semaphore(concurrency)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    sampling = {} if temperature is None else {"temperature": temperature}
 
     async def gated(client, prompt):
         async with gate:
-            return await one(client, url, {"model": name, "prompt": prompt, "max_tokens": output, "temperature": 0,
+            return await one(client, url, {"model": name, "prompt": prompt, "max_tokens": output, **sampling,
                                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
 
     async def arriving(client):
@@ -173,6 +178,8 @@ def start_server(args) -> tuple[str, str]:
     serve_args["ingress_replicas"] = args.ingress_replicas
     if args.page_size:
         serve_args["page_size"] = args.page_size
+    if args.load_format:
+        serve_args["load_format"] = args.load_format
     serve.run(app_builder(serve_args), route_prefix="/")
     return f"http://127.0.0.1:{port}", Path(args.model).name or args.model
 
@@ -202,6 +209,7 @@ def main() -> None:
     p.add_argument("--device")
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--page-size")
+    p.add_argument("--load-format", help="dummy: random weights for a model directory with only its config.json")
     p.add_argument("--ingress-replicas", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -220,6 +228,13 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="the server started here (default on, as vattn serve)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's; a negative value sends none, leaving the server's default (1 in both "
+                        "servers: what `vllm bench serve` does)")
+    p.add_argument("--text", action="store_true",
+                   help="send each prompt as text, its ids decoded by --tokenizer (as `vllm bench serve`'s random "
+                        "dataset does), not as token ids")
+    p.add_argument("--tokenizer", help="for --text: a model directory or preset (default: --model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-metrics", action="store_true",
                    help="also scrape the server's /metrics around each level: its own mean TTFT, queue time and e2e")
@@ -228,6 +243,8 @@ def main() -> None:
     args = p.parse_args()
     url, name = (args.url, args.served_name) if args.url else start_server(args)
     rng = random.Random(args.seed)
+    temperature = None if args.temperature < 0 else args.temperature
+    as_sent = (lambda ids: ids) if not args.text else load_tokenizer(args.tokenizer or args.model).decode
     levels = []
     asyncio.run(level(url, name, [[rng.randrange(args.vocab) for _ in range(args.input)]] * 4, args.output, 4, args.api_key))  # warm-up
     loads = [(c, None, args.requests or max(16, args.rounds * c)) for c in args.concurrency]
@@ -237,10 +254,10 @@ def main() -> None:
 
     shared = [[rng.randrange(args.vocab) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]
     for c, rate, n in loads:
-        prompts = [(rng.choice(shared) if shared else []) + [rng.randrange(args.vocab) for _ in range(args.input)]
+        prompts = [as_sent((rng.choice(shared) if shared else []) + [rng.randrange(args.vocab) for _ in range(args.input)])
                    for _ in range(n)]
         before = metrics() if args.engine_metrics else None
-        levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key, rate)))
+        levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key, rate, temperature)))
         r = levels[-1]
         if before is not None:
             # What the engine saw against what the client saw: the difference is the serving path's.
@@ -259,7 +276,8 @@ def main() -> None:
              "/".join(str(ms(r["itl_s"][k])) for k in ("p50", "p90", "p99")),
              "/".join(str(ms(r["e2e_s"][k])) for k in ("p50", "p99"))] for r in levels]
     data = {"model": name, "url": url if args.url else "started here", "ingress_replicas": args.ingress_replicas, "input_tokens": args.input,
-            "output_tokens": args.output, "prefixes": args.prefixes, "prefix_len": args.prefix_len, "levels": levels}
+            "output_tokens": args.output, "prefixes": args.prefixes, "prefix_len": args.prefix_len,
+            "temperature": temperature, "text_prompts": args.text, "levels": levels}
     report.write(args.name, headers, rows, data, args.out)
     plot(levels, args.out / f"{args.name}.png", f"{name}: {args.input} in / {args.output} out tokens, streaming")
     if any(r["errors"] for r in levels):

@@ -54,12 +54,14 @@ class OpenAIIngress:
 
     def __init__(self, engine: DeploymentHandle, settings: ServerSettings, num_replicas: int):
         self.engine, self.settings, self.num_replicas = engine, settings, num_replicas
-        self.collector = OutputCollector(engine, "ingress-" + serve.get_replica_context().replica_id.unique_id,
-                                         direct=num_replicas == 1)
 
     async def __serve_build_asgi_app__(self):
         info = await self.engine.model_info.remote()
-        app = build_api(self.collector, self.settings, info.name, info.max_model_len, self.num_replicas)
+        # The engine's tokenizer, so that prompts and chats are tokenized here and not in the engine's process
+        # (vLLM's API server does the same): the step loop's process pays for no request's text.
+        collector = OutputCollector(self.engine, "ingress-" + serve.get_replica_context().replica_id.unique_id,
+                                    direct=self.num_replicas == 1, tokenizer=info.tokenizer)
+        app = build_api(collector, self.settings, info.name, info.max_model_len, self.num_replicas)
         app.add_middleware(BodyLimit, limit=self.settings.max_body_bytes)
         freeze_heap("ingress")  # a full collection here would hold every stream this replica serves
         return app

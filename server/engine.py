@@ -22,6 +22,7 @@ from cluster.ray_engine import RayEngine
 from cluster.ray_executor import Placement
 from cluster.scheduler_actor import AddCall
 from cluster.telemetry import EngineSnapshot
+from worker.tokenizer import Tokenizer
 
 
 #: Scheduler actors of engine replicas are named this and the replica's id (/metrics and /health find them).
@@ -44,6 +45,7 @@ def scheduler_actors() -> dict[str, ActorHandle]:
 class ModelInfo:
     name: str
     max_model_len: int
+    tokenizer: Tokenizer  # the engine's own (its chat template included), for the ingress to tokenize with
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class EngineServer:
         group = ray.util.get_current_placement_group()
         replica = serve.get_replica_context().replica_id.unique_id
         self.engine = RayEngine(config, Placement(group) if group is not None else None, SCHEDULER_PREFIX + replica)
-        self.info = ModelInfo(model_name, self.engine.max_model_len)
+        self.info = ModelInfo(model_name, self.engine.max_model_len, self.engine.tokenizer)
         self.vocab_size = model_config(config.model).vocab_size
         self.scheduler = SchedulerRef(SCHEDULER_PREFIX + replica, self.engine.actor)
         self._reports = 0

@@ -29,6 +29,7 @@ from cluster.outputs import RequestOutput
 from cluster.scheduler_actor import AddCall
 from server.engine import SchedulerRef
 from worker.sampling import SamplingParams
+from worker.tokenizer import Tokenizer
 
 #: Seconds one poll waits for outputs before it asks again (a poll returns as soon as any request moves).
 POLL_S = 1.0
@@ -52,8 +53,8 @@ class OutputCollector:
     this ingress replica's name at the scheduler actors; ``direct``: the deployment has one replica, whose scheduler
     actor takes the calls once one through Serve named it."""
 
-    def __init__(self, engine, consumer: str, direct: bool = False):
-        self.engine, self.consumer, self.direct = engine, consumer, direct
+    def __init__(self, engine, consumer: str, direct: bool = False, tokenizer: Tokenizer | None = None):
+        self.engine, self.consumer, self.direct, self.tokenizer = engine, consumer, direct, tokenizer
         self._scheduler: SchedulerRef | None = None  # the one replica's, while it takes calls
         self._queues: dict[str, asyncio.Queue] = {}
         self._live: dict[str, set[str]] = {}  # scheduler name -> requests of this ingress there
@@ -66,6 +67,8 @@ class OutputCollector:
         model's chat template instead of ``prompts``; ``cache_salt``: the prefix cache's (see ``EngineCore.prepare``).
         Bad input raises ``ValueError`` before anything is queued.
         Closing the generator early aborts the requests still running (their memory is freed at once)."""
+        if self.tokenizer is not None:
+            prompts, chat, tools = self._token_ids(prompts, chat, tools), None, None
         ids = [uuid.uuid4().hex for _ in (prompts if chat is None else [chat])]
         queue: asyncio.Queue = asyncio.Queue()
         for i in ids:
@@ -97,6 +100,13 @@ class OutputCollector:
                 # when Serve cancels a request (its client gone) Ray also cancels the calls the request made, and
                 # an abort sent from the request's context is cancelled with it if it has not run yet.
                 contextvars.Context().run(_abort, scheduler, live)
+
+    def _token_ids(self, prompts: list, chat: list[dict] | None, tools: list[dict] | None) -> list:
+        """The prompts as the engine would tokenize them (a chat through the template): text costs the step loop's
+        process nothing then. Token ids as given; the engine checks them."""
+        if chat is not None:
+            prompts = [self.tokenizer.apply_chat_template(chat, tools)]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
     async def _add(self, call: AddCall) -> SchedulerRef:
         """Queue ``call`` on the scheduler that takes calls directly, else through Serve. Sent again (through Serve)
