@@ -18,7 +18,7 @@ from cluster.telemetry import EngineSnapshot
 from kvmem.stats import PageMap, SlotAccounting
 from worker.heap import freeze_heap
 from worker.sampling import SamplingParams
-from worker.tokenizer import Tokenizer, load_tokenizer
+from worker.tokenizer import load_tokenizer
 
 
 #: Seconds a finished request's output waits for its client before it is dropped (a client that went away).
@@ -32,26 +32,23 @@ hot = ray.method(enable_task_events=False)
 @dataclass(frozen=True)
 class AddCall:
     """One API call's requests, as its client sends them to a scheduler actor (``SchedulerActor.add``): ``prompts``
-    (text or token ids), or ``chat`` messages (with their ``tools``) to put through the model's chat template, all
-    under ``params``, queued under the caller's ``request_ids``; their outputs go to ``consumer``'s polls.
-    ``cache_salt``: the prefix cache's (``EngineCore.prepare``)."""
+    (token ids, or text), all under ``params``, queued under the caller's ``request_ids``; their outputs go to
+    ``consumer``'s polls. ``cache_salt``: the prefix cache's (``EngineCore.prepare``). The HTTP ingress sends token ids,
+    chats already through the model's template: text costs the step loop's process nothing."""
 
     prompts: list
     params: SamplingParams
     stream: bool
     request_ids: tuple[str, ...]
     consumer: str
-    chat: list[dict] | None = None
-    tools: list[dict] | None = None
     cache_salt: str | None = None
 
-    def engine_prompts(self, tokenizer: Tokenizer) -> list[Prompt]:
-        """What ``EngineCore.prepare`` takes: the chat templated, the salt beside each prompt."""
-        prompts = [tokenizer.apply_chat_template(self.chat, self.tools)] if self.chat is not None else self.prompts
+    def engine_prompts(self) -> list[Prompt]:
+        """What ``EngineCore.prepare`` takes: the salt beside each prompt."""
         if self.cache_salt is None:
-            return prompts
+            return self.prompts
         return [{"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": self.cache_salt}
-                for p in prompts]
+                for p in self.prompts]
 
 
 @ray.remote(num_cpus=0)
@@ -100,7 +97,7 @@ class SchedulerActor:
     def add(self, call: AddCall) -> None:
         """``add_requests`` for one API call; an ``EngineDrainingError`` once ``drain`` was called."""
         self._check_alive()
-        prompts = call.engine_prompts(self.core.tokenizer)
+        prompts = call.engine_prompts()
         self.add_requests(prompts, [call.params] * len(prompts), call.stream, list(call.request_ids), call.consumer)
 
     @hot

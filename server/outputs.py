@@ -53,7 +53,7 @@ class OutputCollector:
     this ingress replica's name at the scheduler actors; ``direct``: the deployment has one replica, whose scheduler
     actor takes the calls once one through Serve named it."""
 
-    def __init__(self, engine, consumer: str, direct: bool = False, tokenizer: Tokenizer | None = None):
+    def __init__(self, engine, consumer: str, tokenizer: Tokenizer, direct: bool = False):
         self.engine, self.consumer, self.direct, self.tokenizer = engine, consumer, direct, tokenizer
         self._scheduler: SchedulerRef | None = None  # the one replica's, while it takes calls
         self._queues: dict[str, asyncio.Queue] = {}
@@ -67,16 +67,15 @@ class OutputCollector:
         model's chat template instead of ``prompts``; ``cache_salt``: the prefix cache's (see ``EngineCore.prepare``).
         Bad input raises ``ValueError`` before anything is queued.
         Closing the generator early aborts the requests still running (their memory is freed at once)."""
-        if self.tokenizer is not None:
-            prompts, chat, tools = self._token_ids(prompts, chat, tools), None, None
-        ids = [uuid.uuid4().hex for _ in (prompts if chat is None else [chat])]
+        prompts = self._token_ids(prompts, chat, tools)
+        ids = [uuid.uuid4().hex for _ in prompts]
         queue: asyncio.Queue = asyncio.Queue()
         for i in ids:
             self._queues[i] = queue  # before the call: the first output may come before it returns
         index = {request_id: k for k, request_id in enumerate(ids)}
         live, scheduler = set(ids), None
         try:
-            scheduler = await self._add(AddCall(prompts, params, stream, tuple(ids), self.consumer, chat, tools, cache_salt))
+            scheduler = await self._add(AddCall(prompts, params, stream, tuple(ids), self.consumer, cache_salt))
             self._live.setdefault(scheduler.name, set()).update(ids)
             self._poll(scheduler)
             while live:

@@ -12,7 +12,7 @@ of ongoing calls -- would see every replica idle.
 
 Prefix affinity (Ray Serve LLM's prefix-aware router and vLLM production-stack's are the anchors): the router
 remembers, per replica, chained keys of the leading 64-character chunks of the requests it sent there (a prompt's
-text, token ids or chat messages, salted by the request's ``cache_salt``). A request whose text shares at least
+token ids as text -- the ingress tokenizes, a chat through its template -- salted by the request's ``cache_salt``). A request whose text shares at least
 ``min_match`` of its chunks with what a replica got goes to that replica -- its engine most likely still caches
 those pages -- unless the replica is short of KV memory (outside ``band``) or holds more than ``imbalance`` requests
 more than the least loaded one, when the ranking above decides. Each ingress replica's router knows only what it
@@ -21,7 +21,6 @@ sent itself: with several, the affinity is per ingress.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -38,14 +37,12 @@ CHUNK_CHARS = 64
 
 
 def request_text(pending: PendingRequest | None) -> tuple[str, str | None]:
-    """(the text a request starts with, its cache salt): the first prompt (text, or token ids as text), or the chat's
-    tools and messages as JSON; ("", None) for a call that is no ``EngineServer.add`` of an ``AddCall``."""
+    """(the text a request starts with, its cache salt): the first prompt (text, or token ids as text: the ingress
+    sends ids, a chat's through its template); ("", None) for a call that is no ``EngineServer.add`` of an ``AddCall``."""
     call = pending.args[0] if pending is not None and len(pending.args) == 1 and not pending.kwargs else None
     if not isinstance(call, AddCall):
         return "", None
-    # a chat's tools come first in its template's prompt: a request starts with them
-    first = ((json.dumps(call.tools) if call.tools else "") + json.dumps(call.chat) if call.chat is not None
-             else (call.prompts or [""])[0])
+    first = (call.prompts or [""])[0]
     return (first if isinstance(first, str) else ",".join(map(str, first))), call.cache_salt
 
 

@@ -82,14 +82,14 @@ def test_a_consumers_poll_sees_requests_added_while_it_waits_and_no_one_elses():
 
 
 def test_a_draining_scheduler_finishes_what_it_holds_and_refuses_new_calls():
-    """A call (``AddCall``, what the HTTP ingress sends) puts a chat through the template. Once its replica drains (a rolling update), the scheduler refuses new calls with ``EngineDrainingError`` --
-    the ingress sends them to Serve instead -- and runs the requests it holds to their ends."""
+    """Calls (``AddCall``, what the HTTP ingress sends: text or token ids, salted or not) queue their requests. Once
+    the replica drains (a rolling update), the scheduler refuses new calls with ``EngineDrainingError`` -- the ingress
+    sends them to Serve instead -- and runs the requests it holds to their ends."""
     forty = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    chat = [{"role": "user", "content": "hi"}]
     with LLM("tiny", distributed="ray", kv_memory=8 << 20, **SMALL) as llm:
         actor = llm._engine.actor
         ray.get(actor.add.remote(AddCall(["held"], forty, True, ("h1",), "ingress-a")))
-        ray.get(actor.add.remote(AddCall([], forty, False, ("c1",), "ingress-a", chat, cache_salt="tenant")))
+        ray.get(actor.add.remote(AddCall([[104, 105]], forty, False, ("c1",), "ingress-a", cache_salt="tenant")))
         ray.get(actor.drain.remote())
         assert ray.get(actor.health.remote()) == "draining"
         with pytest.raises(EngineDrainingError, match="being stopped: it takes no new requests"):
@@ -98,7 +98,7 @@ def test_a_draining_scheduler_finishes_what_it_holds_and_refuses_new_calls():
         while len(finals) < 2 and time.monotonic() < deadline:
             finals |= {o.request_id: o for o in ray.get(actor.wait_outputs.remote(None, 5.0, "ingress-a")) if o.finished}
         assert sorted(finals) == ["c1", "h1"] and all(len(o.outputs[0].token_ids) == 40 for o in finals.values())
-        assert finals["c1"].prompt == "<user>hi\n<assistant>"  # the toy tokenizer's template
+        assert finals["c1"].prompt_token_ids == (104, 105) and finals["h1"].prompt == "held"
         assert ray.get(actor.in_flight.remote()) == 0
 
 
