@@ -116,10 +116,24 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         serve.shutdown()
     except Exception as exc:
-        print(f"vattn: error: the app did not start: {exc}", file=sys.stderr)
+        print(f"vattn: error: the app did not start: {exc}{_deployment_errors()}", file=sys.stderr)
         serve.shutdown()
         return 1
     return 0
+
+
+def _deployment_errors() -> str:
+    """Why Serve's deployments failed, as their replicas raised it (the last line of each one's message: the error
+    a replica's start raised, e.g. a KV pool larger than the memory free); "" where Serve says nothing more."""
+    from ray import serve
+
+    try:
+        applications = serve.status().applications.values()
+    except Exception:  # Serve itself is down: the error above is all there is
+        return ""
+    lines = [f"\n  {name}: {d.message.strip().splitlines()[-1]}" for a in applications
+             for name, d in a.deployments.items() if d.message.strip()]
+    return "".join(lines)
 
 
 def _kv_capacity_lines() -> list[str]:

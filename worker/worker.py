@@ -130,6 +130,13 @@ class Worker:
         CUDA graphs captured; swap space; the mapper)."""
         if self.cache is not None:
             raise RuntimeError(f"worker pp{self.config.pp_rank} tp{self.config.tp_rank} already has its KV cache")
+        # A pool past what the device holds fails late and badly: on CPU the host's pages are only taken as the cache
+        # fills, and the OOM killer (or Ray's memory monitor, killing the worker again at each restart) ends it then.
+        if pool_bytes > (available := self.kv_memory_available(1.0, 1)):
+            raise ValueError(f"kv_memory: a KV pool of {pool_bytes / (1 << 30):.2f} GiB is more than worker "
+                             f"pp{self.config.pp_rank} tp{self.config.tp_rank}'s {self.device.type} memory has free "
+                             f"({available / (1 << 30):.2f} GiB): lower kv_memory, or size the pool with "
+                             f"kv_memory_fraction")
         c = self.config = replace(self.config, pool_bytes=pool_bytes)
         if c.kv_spec.layout == "paged":
             self.cache = PagedKVCache(c.kv_spec, pool_bytes, self.device)

@@ -240,6 +240,17 @@ def test_request_that_can_never_fit_is_rejected():
         assert llm.generate("ok", SamplingParams(max_tokens=2, temperature=0))[0].finished
 
 
+def test_a_kv_pool_past_the_free_memory_is_refused_at_start_naming_kv_memory():
+    """On CPU the host's pages are taken only as the cache fills: a pool past the free memory used to start and be
+    killed later (by Ray's memory monitor, again at every restart of the replica)."""
+    import psutil
+
+    too_much = 2 * psutil.virtual_memory().total
+    with pytest.raises(ValueError, match=r"kv_memory: a KV pool of .* GiB is more than worker pp0 tp0's cpu memory "
+                                         r"has free \(.* GiB\): lower kv_memory, or size the pool with kv_memory_fraction"):
+        LLM("tiny", kv_memory=too_much, max_num_seqs=4, max_model_len=256, device="cpu")
+
+
 @pytest.mark.parametrize("layout", ["mega", "paged"])
 def test_a_kv_memory_fraction_sizes_the_pool_after_the_weights_load(layout):
     # 4 slots of 2048 tokens at 8 tokens a page (a 16-token block, paged): the pool stops at every slot full.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -126,6 +127,20 @@ def test_serve_answers_and_a_sigterm_stops_it_leaving_the_port_free(tmp_path):
                 process.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_serve_that_cannot_start_exits_saying_what_its_replicas_raised(tmp_path):
+    """A KV pool larger than the host's memory: refused by each worker as it starts, and ``vattn serve`` exits saying
+    so, where Serve alone says only that a deployment failed (and on CPU the pool used to start and be killed later)."""
+    import psutil
+
+    too_much = f"{2 * psutil.virtual_memory().total >> 30}GiB"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", "tiny", "--device", "cpu",
+                           "--port", str(free_local_port()), "--kv-memory", too_much], capture_output=True, text=True,
+                          env=os.environ | {"RAY_ADDRESS": ""}, timeout=300)
+    assert done.returncode == 1
+    assert re.search(r"vattn: error: the app did not start: .*\n  VattnEngine: ValueError: kv_memory: a KV pool of "
+                     r"[0-9.]+ GiB is more than worker pp0 tp0's cpu memory has free", done.stderr), done.stderr[-2000:]
 
 
 def test_vllm_spellings_of_the_engine_options_and_the_gpu_default_pool():
