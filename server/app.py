@@ -60,7 +60,7 @@ class OpenAIIngress:
         # The engine's tokenizer, so that prompts and chats are tokenized here and not in the engine's process
         # (vLLM's API server does the same): the step loop's process pays for no request's text.
         collector = OutputCollector(self.engine, "ingress-" + serve.get_replica_context().replica_id.unique_id,
-                                    info.tokenizer, direct=self.num_replicas == 1)
+                                    info.tokenizer, info.vocab_size, direct=self.num_replicas == 1)
         app = build_api(collector, self.settings, info.name, info.max_model_len, self.num_replicas)
         app.add_middleware(BodyLimit, limit=self.settings.max_body_bytes)
         freeze_heap("ingress")  # a full collection here would hold every stream this replica serves

@@ -46,6 +46,7 @@ class ModelInfo:
     name: str
     max_model_len: int
     tokenizer: Tokenizer  # the engine's own (its chat template included), for the ingress to tokenize with
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ class EngineServer:
         group = ray.util.get_current_placement_group()
         replica = serve.get_replica_context().replica_id.unique_id
         self.engine = RayEngine(config, Placement(group) if group is not None else None, SCHEDULER_PREFIX + replica)
-        self.info = ModelInfo(model_name, self.engine.max_model_len, self.engine.tokenizer)
-        self.vocab_size = model_config(config.model).vocab_size
+        self.info = ModelInfo(model_name, self.engine.max_model_len, self.engine.tokenizer,
+                              model_config(config.model).vocab_size)
         self.scheduler = SchedulerRef(SCHEDULER_PREFIX + replica, self.engine.actor)
         self._reports = 0
         self.drain_timeout_s = drain_timeout_s
@@ -77,20 +78,6 @@ class EngineServer:
         ``EngineDrainingError``."""
         await self.engine.actor.add.remote(call)
         return self.scheduler
-
-    async def tokenize(self, prompt: str | None, chat: list[dict] | None, token_strs: bool) -> tuple[list[int], list[str] | None]:
-        """``prompt``'s token ids (or ``chat``'s, through the chat template) as the engine would see them, and each
-        one's text where ``token_strs``."""
-        tokenizer = self.engine.tokenizer
-        ids = tokenizer.encode(tokenizer.apply_chat_template(chat) if chat is not None else prompt)
-        return ids, [tokenizer.decode([i]) for i in ids] if token_strs else None
-
-    async def detokenize(self, tokens: list[int]) -> str:
-        """The text of ``tokens``; a ``ValueError`` naming the ids outside the vocabulary."""
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"tokens {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
-        return self.engine.tokenizer.decode(tokens)
 
     async def record_routing_stats(self) -> dict:
         """What ``server.routing.KVAwareRouter`` ranks replicas by (Serve asks every ``STATS_PERIOD_S``)."""

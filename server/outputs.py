@@ -53,8 +53,9 @@ class OutputCollector:
     this ingress replica's name at the scheduler actors; ``direct``: the deployment has one replica, whose scheduler
     actor takes the calls once one through Serve named it."""
 
-    def __init__(self, engine, consumer: str, tokenizer: Tokenizer, direct: bool = False):
-        self.engine, self.consumer, self.direct, self.tokenizer = engine, consumer, direct, tokenizer
+    def __init__(self, engine, consumer: str, tokenizer: Tokenizer, vocab_size: int, direct: bool = False):
+        self.engine, self.consumer, self.direct = engine, consumer, direct
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._scheduler: SchedulerRef | None = None  # the one replica's, while it takes calls
         self._queues: dict[str, asyncio.Queue] = {}
         self._live: dict[str, set[str]] = {}  # scheduler name -> requests of this ingress there
@@ -106,6 +107,12 @@ class OutputCollector:
         if chat is not None:
             prompts = [self.tokenizer.apply_chat_template(chat, tools)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens``; a ``ValueError`` naming the ids outside the vocabulary."""
+        if bad := [t for t in tokens if not 0 <= t < self.vocab_size]:
+            raise ValueError(f"tokens {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+        return self.tokenizer.decode(tokens)
 
     async def _add(self, call: AddCall) -> SchedulerRef:
         """Queue ``call`` on the scheduler that takes calls directly, else through Serve. Sent again (through Serve)

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from cluster.outputs import RequestOutput
 from server import protocol as p
-from server.errors import APIError, engine_error
+from server.errors import APIError
 from server.serving import OpenAIServing
 from server.text import completion_logprobs, with_prompt
 
@@ -21,7 +21,7 @@ class ServingCompletions(OpenAIServing):
         if body.echo and body.logprobs is not None:  # the prompt's tokens come back with theirs
             params = replace(params, prompt_logprobs=body.logprobs)
         prompts = body.prompts
-        echoes = await self._echoes(prompts) if body.echo else [""] * len(prompts)
+        echoes = self._echoes(prompts) if body.echo else [""] * len(prompts)
         items = await self.start(prompts, params, body.stream, cache_salt=body.cache_salt)
         rid = p.new_id("cmpl")
         if body.stream:
@@ -43,12 +43,12 @@ class ServingCompletions(OpenAIServing):
         """A completion's logprobs (or its first streamed piece's), led by the prompt tokens' when it is echoed."""
         return with_prompt(out, own) if body.echo else own
 
-    async def _echoes(self, prompts: list) -> list[str]:
+    def _echoes(self, prompts: list) -> list[str]:
         """Each prompt's text, for ``echo``: as given, or its token ids decoded."""
         try:
-            return [pr if isinstance(pr, str) else await self.collector.engine.detokenize.remote(pr) for pr in prompts]
-        except Exception as exc:
-            raise engine_error(exc) from None
+            return [pr if isinstance(pr, str) else self.collector.detokenize(pr) for pr in prompts]
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
 
     async def _stream(self, items, rid: str, body: p.CompletionRequest, echoes: list[str]):
         finished: list[RequestOutput | None] = [None] * len(echoes)
