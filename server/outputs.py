@@ -50,8 +50,9 @@ class Progress:
 
 class OutputCollector:
     """Sends calls to the engine deployment (``engine``: a Serve handle) and collects their outputs; ``consumer``:
-    this ingress replica's name at the scheduler actors; ``direct``: the deployment has one replica, whose scheduler
-    actor takes the calls once one through Serve named it."""
+    this ingress replica's name at the scheduler actors; ``tokenizer`` and ``vocab_size``: the engine's, to tokenize
+    prompts and chats here and decode token ids; ``direct``: the deployment has one replica, whose scheduler actor takes
+    the calls once one through Serve named it."""
 
     def __init__(self, engine, consumer: str, tokenizer: Tokenizer, vocab_size: int, direct: bool = False):
         self.engine, self.consumer, self.direct = engine, consumer, direct
