@@ -4,11 +4,11 @@ scheduler actor's ``RayExecutor``."""
 from __future__ import annotations
 
 import os
-import socket
 
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from cluster.stage_link import StageLink
 from kvmem.stats import PageMap, SlotAccounting
@@ -27,15 +27,17 @@ class WorkerActor:
         # (TP group, its gloo twin, the token ring's) once joined; None: not distributed
         self._groups: tuple | None = None
         self._link: StageLink | None = None
+        self._rendezvous: dist.TCPStore | None = None  # rank 0's, from ``address`` on
         # This worker's CUDA device where it sees more than its own GPU: selected again in every call (``_select_device``)
         self._device: int | None = None
 
     def address(self) -> str:
-        """A TCP rendezvous on this actor's node for torch.distributed (rank 0 only)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        """A TCP rendezvous on this actor's node for torch.distributed (rank 0 only): its store listens from now on,
+        on a port the kernel chose, until the group is joined over it -- a port found free and let go until then
+        could be taken meanwhile (by another engine's rendezvous, a server, Ray)."""
+        self._rendezvous = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                         timeout=default_pg_timeout)
+        return f"tcp://{ray.util.get_node_ip_address()}:{self._rendezvous.port}"
 
     def gpu(self) -> tuple[str, str]:
         """This actor's node, and the GPU Ray lent it (the ``CUDA_VISIBLE_DEVICES`` Ray set: one id)."""
@@ -51,7 +53,8 @@ class WorkerActor:
         if cfg.device == "cuda":
             self._device = _select(node_gpus)
         if init_method is not None:
-            self._groups = _join_tp_group(cfg.device, init_method, rank, world, stage_ranks, cfg.pp_rank, rings)
+            store = self._rendezvous if rank == 0 else _client_store(init_method)
+            self._groups = _join_tp_group(cfg.device, store, rank, world, stage_ranks, cfg.pp_rank, rings)
         group, cpu_group, ring_group = self._groups or (None, None, None)  # set up again: the groups joined before
         self.worker = Worker(cfg, tp_group=group, tp_cpu_group=cpu_group)
         self._link = link
@@ -177,14 +180,21 @@ def _select(node_gpus: tuple[str, ...]) -> int | None:
     return None
 
 
-def _join_tp_group(device: str, init_method: str, rank: int, world: int, stage_ranks: list[list[int]], stage: int,
+def _client_store(init_method: str) -> dist.TCPStore:
+    """The rendezvous store rank 0 holds at ``init_method`` (``WorkerActor.address``), as a client."""
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=default_pg_timeout)
+
+
+def _join_tp_group(device: str, store: dist.Store, rank: int, world: int, stage_ranks: list[list[int]], stage: int,
                    rings: list[list[int]] = ()):
     """This stage's TP group (None: the default group, with one stage), the same ranks over gloo, for what the
     hosts agree on (``TPGroup.cpu_group``), and the group of this rank's token ring if it has one; every rank creates
-    every group, in the same order."""
+    every group, in the same order, over the rendezvous ``store``."""
     backend = "nccl" if device == "cuda" else "gloo"
     kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
+    # the prefix torch gives a store it makes from an init_method itself
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world, **kwargs)
     groups = [None] if len(stage_ranks) == 1 else [dist.new_group(ranks) for ranks in stage_ranks]
     cpu_groups = [dist.new_group(ranks, backend="gloo") for ranks in stage_ranks]
     ring = None
