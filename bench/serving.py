@@ -133,12 +133,12 @@ async def level(url: str, name: str, prompts: list, output: int, concurrency: in
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600),
                                      headers=headers) as client:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if rate:
             samples = await arriving(client)
         else:
             samples = await asyncio.gather(*(gated(client, p) for p in prompts))
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     ok = [s for s in samples if s.error is None]
 
     def pct(values: list[float]) -> dict:
@@ -152,6 +152,8 @@ async def level(url: str, name: str, prompts: list, output: int, concurrency: in
         "concurrency": concurrency, "rate": rate, "requests": len(prompts), "errors": len(samples) - len(ok),
         "first_errors": [s.error for s in samples if s.error][:3], "wall_s": wall,
         "output_tok_s": tokens / wall, "request_s": len(ok) / wall, "output_tokens": tokens,
+        # the client's own CPU time over the wall: near 1, the client (one process) is what limits the level
+        "client_cpu_share": cpu / wall,
         "ttft_s": pct([s.ttft for s in ok]), "itl_s": pct([x for s in ok for x in s.itl]), "e2e_s": pct([s.e2e for s in ok]),
         "tpot_s": pct([(s.e2e - s.ttft) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]),
     }
