@@ -69,7 +69,7 @@ class OutputCollector:
         model's chat template instead of ``prompts``; ``cache_salt``: the prefix cache's (see ``EngineCore.prepare``).
         Bad input raises ``ValueError`` before anything is queued.
         Closing the generator early aborts the requests still running (their memory is freed at once)."""
-        prompts = self._token_ids(prompts, chat, tools)
+        prompts = self.token_ids(prompts, chat, tools)
         ids = [uuid.uuid4().hex for _ in prompts]
         queue: asyncio.Queue = asyncio.Queue()
         for i in ids:
@@ -102,9 +102,9 @@ class OutputCollector:
                 # an abort sent from the request's context is cancelled with it if it has not run yet.
                 contextvars.Context().run(_abort, scheduler, live)
 
-    def _token_ids(self, prompts: list, chat: list[dict] | None, tools: list[dict] | None) -> list:
-        """The prompts as the engine would tokenize them (a chat through the template): text costs the step loop's
-        process nothing then. Token ids as given; the engine checks them."""
+    def token_ids(self, prompts: list, chat: list[dict] | None = None, tools: list[dict] | None = None) -> list:
+        """The prompts as the engine would tokenize them (a chat through the template, which may refuse it with a
+        ``ValueError``): text costs the step loop's process nothing then. Token ids as given; the engine checks them."""
         if chat is not None:
             prompts = [self.tokenizer.apply_chat_template(chat, tools)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]

@@ -15,12 +15,11 @@ class ServingTokenization(OpenAIServing):
     async def tokenize(self, body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
         self.check(request, body.model)
         chat = None if body.messages is None else [m.for_template() for m in body.messages]
-        tokenizer = self.collector.tokenizer
         try:
-            ids = tokenizer.encode(tokenizer.apply_chat_template(chat) if chat is not None else body.prompt)
+            ids = self.collector.token_ids([body.prompt], chat)[0]  # what a completion or a chat computes
         except ValueError as exc:  # a chat template that refused the messages
             raise APIError(400, str(exc)) from None
-        strs = [tokenizer.decode([i]) for i in ids] if body.return_token_strs else None
+        strs = [self.collector.tokenizer.decode([i]) for i in ids] if body.return_token_strs else None
         return p.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     async def detokenize(self, body: p.DetokenizeRequest, request: Request) -> p.DetokenizeResponse:
