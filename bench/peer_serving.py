@@ -29,6 +29,7 @@ from tabulate import tabulate
 
 import report
 from peer import HERE, hf_config
+from process_sampler import ProcessSampler
 
 PORT = 8011
 SERVED = "peer"
@@ -126,23 +127,46 @@ def dataset_args(args) -> list[str]:
     return ["--dataset-name", "random", "--random-input-len", str(args.input), "--random-output-len", str(args.output)]
 
 
-def vllm_clients(label: str, model: Path, args) -> list[dict]:
-    """``vllm bench serve`` (random dataset) at each concurrency against the running server."""
-    out = []
+def vllm_client(label: str, c: int, num_prompts: int, model: Path, args) -> dict:
+    """One ``vllm bench serve`` run (random dataset) of ``num_prompts`` at ``c`` clients against the running server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_")} | {"PYTHONPATH": args.vllm_site}
-    for c in args.concurrency:
-        name = f"{label}_vllm_client_{c}.json"
-        done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
-                        "--base-url", f"http://127.0.0.1:{PORT}", "--model", SERVED, "--tokenizer", str(model),
-                        *dataset_args(args), "--num-prompts", str(max(16, args.rounds * c)), "--max-concurrency", str(c),
-                        "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-                        "--save-result", "--result-dir", str(args.work), "--result-filename", name],
-                       env=env)
-        if done.returncode != 0:  # the second client's failure must not lose the first one's numbers
-            print(f"--- {label}: vllm bench serve at {c} clients exited with {done.returncode}", flush=True)
-            out.append({"concurrency": c, "error": done.returncode})
-            continue
-        out.append(json.loads((args.work / name).read_text()) | {"concurrency": c})
+    name = f"{label}_vllm_client_{c}.json"
+    done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+                           "--base-url", f"http://127.0.0.1:{PORT}", "--model", SERVED, "--tokenizer", str(model),
+                           *dataset_args(args), "--num-prompts", str(num_prompts), "--max-concurrency", str(c),
+                           "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
+                           "50,90,99", "--save-result", "--result-dir", str(args.work), "--result-filename", name],
+                          env=env)
+    if done.returncode != 0:  # the second client's failure must not lose the first one's numbers
+        print(f"--- {label}: vllm bench serve at {c} clients exited with {done.returncode}", flush=True)
+        return {"concurrency": c, "error": done.returncode}
+    return json.loads((args.work / name).read_text()) | {"concurrency": c}
+
+
+def vllm_clients(label: str, model: Path, args) -> list[dict]:
+    """``vllm bench serve`` at each concurrency against the running server."""
+    return [vllm_client(label, c, max(16, args.rounds * c), model, args) for c in args.concurrency]
+
+
+#: The processes ``--profile`` samples, per side: the step loop's, the HTTP front's, the GPU worker's.
+PROFILED = {
+    "vattn": {"scheduler": "ray::SchedulerActor", "ingress": "VattnIngress", "worker": "ray::WorkerActor",
+              "proxy": "ProxyActor"},
+    "vllm": {"engine_core": "EngineCore", "api_server": "cli.main serve"},
+}
+
+
+def profiled_clients(side: str, label: str, model: Path, args) -> list[dict]:
+    """At each ``--profile`` concurrency, ``vllm bench serve`` for ``--profile-rounds`` requests a client while
+    ``ProcessSampler`` samples the side's processes: the run's numbers, and each process's CPU and stacks."""
+    out = []
+    for c in args.profile:
+        sampler = ProcessSampler(PROFILED[side], args.work / f"{label}_profile_{c}")
+        sampler.start()
+        result = vllm_client(f"{label}_profiled", c, args.profile_rounds * c, model, args)
+        out.append(result | {"processes": sampler.stop()})
+        print(f"--- {label}: {c} clients profiled: " + json.dumps(
+            {k: round(v["cpu_share"], 2) for k, v in out[-1]["processes"].items()}), flush=True)
     return out
 
 
@@ -180,6 +204,8 @@ def run_side(side: str, index: int, model: Path, args) -> dict:
         result["ours"] = our_clients(label, model, args)
         if args.vllm_client:
             result["vllm_client"] = vllm_clients(label, model, args)
+        if args.profile:
+            result["profiled"] = profiled_clients(side, label, model, args)
         return result
     finally:
         stop(process)
@@ -257,6 +283,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="vattn's (cpu: a smoke run of the harness, vattn alone)")
     parser.add_argument("--dtype", default="bfloat16", help="vattn's")
     parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
+    parser.add_argument("--profile", type=int, nargs="*", default=[], help="after the clients, drive each server "
+                        "with `vllm bench serve` at these concurrencies while its processes are sampled (py-spy, CPU "
+                        "per thread; bench/process_sampler.py); stacks in --work")
+    parser.add_argument("--profile-rounds", type=int, default=8, help="requests per client in a profiled run")
     parser.add_argument("--sides", nargs="+", default=["vattn", "vllm"], choices=["vattn", "vllm"])
     parser.add_argument("--once", action="store_true", help="each side once (A B), not A B B A: when device time is short")
     parser.add_argument("--start-timeout", type=float, default=420)
