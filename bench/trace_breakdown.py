@@ -107,6 +107,8 @@ def steps(events: list[dict], match: str) -> list[Step]:
         step.by_kernel[e["name"]] = step.by_kernel.get(e["name"], 0.0) + dur
         spans.setdefault(i, []).append((ts, ts + dur))
     for e in events:
+        if e.get("cat") != "user_annotation":  # not the profiler's copy of a range on the GPU's timeline
+            continue
         if e.get("ph") == "X" and e.get("name", "").startswith("vattn_phase_"):
             i = bisect.bisect_right(starts, float(e["ts"])) - 1
             if i >= 0 and float(e["ts"]) <= found[i].start_us + found[i].host_us:

@@ -148,9 +148,10 @@ class EnginePlan:
 
     def sized(self, budgets: list[int]) -> EnginePlan:
         """This plan with every worker's pool sized to the same page count, the most that each worker's KV
-        memory ``budgets`` (plan order, measured once its weights were loaded) holds, never more than every slot
-        full would map."""
-        full = min(w.kv_spec.max_slots * w.kv_spec.pages_for(w.kv_spec.max_tokens) for w in self.workers)
+        memory ``budgets`` (plan order, measured once its weights were loaded) holds, never more than the slots of
+        every request that may run at once (and the graphs' scratch slot) would map, all full."""
+        running = self.config.max_num_seqs + (1 if self.cuda_graphs else 0)
+        full = min(running * w.kv_spec.pages_for(w.kv_spec.max_tokens) for w in self.workers)
         fits = _pages_within(self.workers, budgets)
         if min(fits) <= 0:
             w = fits.index(min(fits))
@@ -369,7 +370,12 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     graphs = config.cuda_graphs if config.cuda_graphs is not None else attention in in_place
     if graphs and attention not in in_place:
         raise ValueError(f"cuda_graphs need an attention backend that reads the cache in place {in_place}, got {attention!r}")
-    slots = config.max_num_seqs + (1 if graphs else 0)  # CUDA graphs hold one slot as scratch for padded rows
+    # CUDA graphs hold one slot as scratch for padded rows. A virtual layout's freed slot keeps its pages, and the steps
+    # in flight may still read it: a request that reuses it at once, where it must let go of pages (those the prefix
+    # cache holds), waits for those steps in its own step's launch -- at every new request where max_num_seqs run, with
+    # no other slot free (GPU serving at 256 clients). Spare slots let a freed slot rest; a slot is address space only.
+    spare = 0 if layout == "paged" else max(8, config.max_num_seqs // 8)
+    slots = config.max_num_seqs + spare + (1 if graphs else 0)
     page = block_size if layout == "paged" else config.page_size  # tokens per block, or bytes per page
     # Mega pages span a stage's layers: pad every stage to the longest so that all share tokens per page.
     layers = max(len(r) for r in ranges)

@@ -330,8 +330,10 @@ class EngineCore:
             self._deferred = exc
 
     def _step_input(self, out: SchedulerOutput) -> StepInput:
+        # Backed in the ledger now, mapped by the workers meanwhile; the prefix pages evicted for it go with this step's
+        # operations, which the workers apply before their mappers start on it.
+        ahead = self.scheduler.lookahead(out).needs
         ops = self.ledger.take_ops()
-        ahead = self.scheduler.lookahead(out).needs  # backed in the ledger now, mapped by the workers meanwhile
         new, seq_ids, slots, starts, samples, produced, tokens, offsets = [], [], [], [], [], [], [], [0]
         allowed = {}  # seq_id -> the token bitmask of its grammar's next token
         late = []  # sequences whose bitmask follows (``_supply_masks``): their last token is on the device

@@ -515,12 +515,14 @@ class SlotCache(ABC):
         return sum(1 for page, n in held.items() if self._refs.get(page, 0) == n)
 
     def _reclaim_order(self) -> list[int]:
-        """Slots with surplus pages, in the order ``reclaim`` takes them: free slots, then slots in use; the most
-        surplus first."""
+        """Slots with surplus pages, in the order ``reclaim`` takes them: free slots, the one freed longest ago first,
+        then slots in use, the most surplus first. A slot freed last may still be read by the steps in flight: its
+        unmaps would wait for them (deferred, and then the next request given the slot waits for them, in the step's
+        launch) where an older slot's are done at once."""
         free, used = [], []
         for i, s in enumerate(self._slots):
             if n := self._num_surplus(s):
-                (used if s.in_use else free).append((-n, i))
+                (used if s.in_use else free).append((-n if s.in_use else self._released[i], i))
         return [i for _, i in sorted(free)] + [i for _, i in sorted(used)]
 
     def _owned_tail(self, state: SlotState, limit: int) -> int:

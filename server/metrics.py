@@ -59,6 +59,9 @@ WORKER_COUNTERS = {
     "kv_pages_mapped": ("Page mappings made (map calls of page groups).", lambda w: w.maps),
     "kv_pages_unmapped": ("Page mappings undone.", lambda w: w.unmaps),
     "kv_mapping_stall_seconds": ("Seconds steps waited for pages to be mapped.", lambda w: w.stall_seconds),
+    "worker_busy_seconds": ("Seconds the worker spent in steps: launching them and waiting for them.", lambda w: w.busy_seconds),
+    "worker_device_seconds": ("Seconds the device ran the worker's steps, first kernel to last (CUDA; 0 elsewhere).",
+                              lambda w: w.device_seconds),
 }
 
 

@@ -253,12 +253,14 @@ def test_a_kv_pool_past_the_free_memory_is_refused_at_start_naming_kv_memory():
 
 @pytest.mark.parametrize("layout", ["mega", "paged"])
 def test_a_kv_memory_fraction_sizes_the_pool_after_the_weights_load(layout):
-    # 4 slots of 2048 tokens at 8 tokens a page (a 16-token block, paged): the pool stops at every slot full.
+    # 4 slots of 2048 tokens at 8 tokens a page (a 16-token block, paged): the pool stops at every slot full --
+    # the running requests' slots: the virtual layout's 8 spare slots (for a freed slot to rest) add none.
     kw = dict(kv_layout=layout, max_num_seqs=4, max_model_len=2048, page_size=4096, device="cpu")
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with LLM("tiny", kv_memory=1 << 20, **kw) as fixed:
         want = fixed.generate(["a b c", "hello"], greedy)
     with LLM("tiny", kv_memory_fraction=0.5, **kw) as llm:
+        assert llm.core.plan.ledger_spec.max_slots == 4 + (8 if layout == "mega" else 0)
         assert llm.core.plan.num_pages == 4 * (256 if layout == "mega" else 128)
         assert llm.cache.accounting().free_pages == llm.core.plan.num_pages
         got = llm.generate(["a b c", "hello"], greedy)

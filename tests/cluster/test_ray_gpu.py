@@ -63,7 +63,7 @@ def test_ray_workers_on_gpus_match_the_in_process_engine(gpus, tp, pp, layout, n
 
 
 def test_a_kv_memory_fraction_sizes_the_gpu_workers_pools(gpus):
-    # Half of an 80 GiB GPU is far past what 8 slots of 256 tokens of `tiny` can map: the pools stop there, on
+    # Half of an 80 GiB GPU is far past what 8 running slots of 256 tokens of `tiny` can map: the pools stop there, on
     # every worker, after each measured its GPU; the tokens are the fixed-pool engine's.
     from cluster.config import EngineConfig, model_config, plan
 
@@ -73,8 +73,9 @@ def test_a_kv_memory_fraction_sizes_the_gpu_workers_pools(gpus):
     with LLM("tiny", distributed="ray", device="cuda", kv_memory_fraction=0.5, **BF16, **kw) as llm:
         got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
         (worker,) = llm.snapshot().workers
-    spec = plan(EngineConfig("tiny", device="cuda", **BF16, **kw), model_config("tiny"), "cuda").ledger_spec
-    assert worker.total_pages == spec.max_slots * spec.pages_for(256)
+    sized = plan(EngineConfig("tiny", device="cuda", **BF16, **kw), model_config("tiny"), "cuda")
+    running = sized.config.max_num_seqs + (1 if sized.cuda_graphs else 0)  # the pool stops at the running slots full, not the spare ones
+    assert worker.total_pages == running * sized.ledger_spec.pages_for(256)
     assert got == want
 
 

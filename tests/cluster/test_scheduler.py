@@ -251,8 +251,9 @@ def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mo
             if scheduler.running and rng.random() < 0.05:
                 scheduler.finish(rng.choice(scheduler.running), "abort")
             out = scheduler.schedule()
+            ahead = scheduler.lookahead(out)  # as the engine: the pages evicted for it go with the step's operations
             apply_ops(cache, ledger.take_ops(), swap)
-            plan = mapper.submit(scheduler.lookahead(out))
+            plan = mapper.submit(ahead)
             mapper.wait(plan)  # the plan always fits the replaying cache's pool
             for seq in scheduler.postprocess(out, sample_all(out)):
                 if seq.num_output_tokens >= seq.request.params.max_tokens:

@@ -185,6 +185,22 @@ def test_ensure_reclaims_pages_of_free_slots_when_short(cache_factory):
     check_invariants(cache)
 
 
+def test_reclaim_takes_the_free_slot_freed_longest_ago_first(cache_factory):
+    """A slot freed last may still be read by the steps in flight (its unmaps wait for them); the one freed first is
+    done with: its pages go first, whatever the slots' sizes, and those of a slot just freed stay mapped."""
+    cache = cache_factory(pool_groups=6)
+    tpp = tokens_per_page(cache)
+    old, new = cache.alloc_slot(), cache.alloc_slot()
+    cache.ensure(old, 2 * tpp)
+    cache.ensure(new, 3 * tpp)  # the most surplus once freed: taken first, before
+    cache.free_slot(old)
+    cache.free_slot(new)
+    grower = cache.alloc_slot(0)
+    cache.ensure(grower, 3 * tpp)  # two pages more than the pool's one: the old slot's
+    assert (len(cache._slots[old].pages), len(cache._slots[new].pages)) == (0, 3)
+    check_invariants(cache)
+
+
 def test_a_reclaim_that_walks_the_slots_frees_a_batch_not_a_page(cache_factory):
     """With the pool dry, each page a growing sequence asks for would walk every slot: the walk frees
     ``reclaim_batch`` pages (1/256 of the pool), and the next pages come from the pool without one."""

@@ -224,12 +224,12 @@ def test_the_ledger_evicts_cached_pages_nothing_holds_least_recently_used_first_
 
 def test_decoding_behind_a_full_prefix_cache_evicts_a_batch_at_a_time_and_the_workers_follow():
     """Every page held by the prefix cache and a free slot: a growing sequence's page costs an eviction (a walk over
-    every slot and the index). It evicts ``reclaim_batch`` pages, least recently used first, and the next pages
-    come from what that freed."""
+    every slot and the index). It evicts ``eviction_batch`` pages, least recently used first, and the next pages
+    come from what that freed (a reclaim of ``reclaim_batch``)."""
     spec = KVCacheSpec(2, 2, 16, torch.float32, max_slots=80, max_tokens=256, layout="mega", page_size=4096)
     ledger = PageLedger(spec, 1024, keeps_pages_on_free=True, caches_prefixes=True)
     cache = VirtualKVCache(spec, 1024 * spec.num_buffers * spec.page_size)
-    assert ledger.reclaim_batch() == 4
+    assert (ledger.reclaim_batch(), ledger.eviction_batch()) == (4, 16)
     for r in range(64):  # 64 requests of 16 full pages each, every page cached
         _run(ledger, 256, [f"{r}.{p}".encode() for p in range(16)])
     assert ledger.free_pages() == 0 and ledger.kept_pages() == 1024
@@ -239,14 +239,36 @@ def test_decoding_behind_a_full_prefix_cache_evicts_a_batch_at_a_time_and_the_wo
     apply_ops(cache, ledger.take_ops())
     ledger.ensure(slot, 16)
     ops = ledger.take_ops()
-    # The four least recently used pages: the first request's last four (a prefix shrinks from its end).
-    assert ops == (DropKept((15, 14, 13, 12)), Ensure(slot, 16))
+    # The 16 least recently used pages, the first request's (a prefix shrinks from its end); four of them unmapped.
+    assert ops == (DropKept(tuple(range(15, -1, -1))), Ensure(slot, 16))
     assert ledger.free_pages() == 3
     for tokens in (32, 48, 64):  # the next three pages: no eviction
         ledger.ensure(slot, tokens)
     ops += ledger.take_ops()
     assert ops[2:] == (Ensure(slot, 32), Ensure(slot, 48), Ensure(slot, 64)) and ledger.free_pages() == 0
     apply_ops(cache, ops)
+    assert cache.accounting() == ledger.accounting()
+    check_invariants(cache)
+    cache.close()
+
+
+def test_growth_mapped_ahead_behind_a_full_prefix_cache_evicts_first_and_the_workers_drop_before_they_map():
+    """The lookahead's ``ensure_ahead`` evicts as ``ensure`` does, recorded: behind a full prefix cache a growing
+    sequence's next page can be mapped ahead of its step (before, it was refused after a walk of every slot, and the
+    step mapped it in its own launch). A worker that applies the step's operations, then runs the plan, agrees."""
+    spec = KVCacheSpec(2, 2, 16, torch.float32, max_slots=80, max_tokens=256, layout="mega", page_size=4096)
+    ledger = PageLedger(spec, 1024, keeps_pages_on_free=True, caches_prefixes=True)
+    cache = VirtualKVCache(spec, 1024 * spec.num_buffers * spec.page_size)
+    for r in range(64):  # every page cached, none free
+        _run(ledger, 256, [f"{r}.{p}".encode() for p in range(16)])
+    slot = ledger.alloc_slot(64)
+    assert ledger.free_pages() == 0 and ledger._slots[slot].pages == []
+    apply_ops(cache, ledger.take_ops())
+    assert ledger.ensure_ahead(slot, 32)
+    ops = ledger.take_ops()
+    assert ops == (DropKept(tuple(range(15, -1, -1))),)  # the least recently used batch; the plan itself is unrecorded
+    apply_ops(cache, ops)
+    cache.ensure(slot, 32)  # the mapper's plan
     assert cache.accounting() == ledger.accounting()
     check_invariants(cache)
     cache.close()

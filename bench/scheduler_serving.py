@@ -1,0 +1,115 @@
+"""The scheduler's own time per step while serving: a closed loop of clients (each sends its next request as soon as
+its last one ends, as ``bench/serving.py``'s clients do) over the ``llama-3-8b`` ledger of a 40 GiB pool, random
+prompts, prefix caching on -- so that after the first few hundred requests the pool is full of cached pages and every
+new page is evicted and reclaimed for. ``schedule``, ``lookahead``, the recorded KV operations and ``postprocess`` per
+step, no model and no workers (``bench/scheduler_overhead.py`` runs the offline workloads the same way). The mean and
+the 99th percentile over the second half of the steps: the step loop's share of a decode step, and its stalls.
+
+    python bench/scheduler_serving.py [--clients 64 256]                # this tree
+    python bench/scheduler_serving.py --a /tmp/before --b . [--clients 64 256]   # two trees, ABBA, each run its own process
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import report
+
+
+def closed_loop(clients: int, steps: int, kv_gib: int, seed: int) -> dict:
+    """``steps`` scheduler steps of ``clients`` clients (512-token random prompts, 128 tokens out, greedy)."""
+    from cluster.config import EngineConfig, model_config, plan
+    from cluster.scheduler import Scheduler
+    from cluster.sequence import Request, Sequence
+    from worker.sampling import SamplingParams
+
+    config = EngineConfig("llama-3-8b", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=704,
+                          kv_memory=kv_gib << 30, dtype="bfloat16", enable_prefix_caching=True)
+    engine_plan = plan(config, model_config("llama-3-8b"), "cuda")
+    ledger = engine_plan.new_ledger()
+    scheduler = Scheduler(engine_plan.scheduler, ledger)
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        prompt = [rng.randrange(32000) for _ in range(512)]
+        request = Request(str(added), None, tuple(prompt), params, 0)
+        request.seqs.append(Sequence(scheduler.new_seq_id(), request, 0, prompt))
+        scheduler.add(request.seqs[0])
+        added += 1
+
+    for _ in range(clients):
+        add()
+    times, ahead = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = scheduler.schedule()
+        planned = scheduler.lookahead(out)  # before the operations are taken, as the engine does
+        ledger.take_ops()
+        ended = 0
+        for seq in scheduler.postprocess(out, {s.seq.seq_id: (7,) * s.num_samples for s in out.scheduled if s.num_samples}):
+            if seq.num_output_tokens >= params.max_tokens:
+                scheduler.finish(seq, "length")
+                ended += 1
+        times.append(time.perf_counter() - start)
+        ahead.append(len(planned.needs) / max(1, len(out.scheduled)))
+        for _ in range(ended):
+            add()
+    tail = sorted(times[steps // 2:])
+    return {"clients": clients, "steps": steps, "requests": added, "pages": engine_plan.num_pages,
+            "us_per_step": 1e6 * statistics.fmean(tail), "p99_us": 1e6 * tail[int(0.99 * len(tail))],
+            "max_us": 1e6 * tail[-1], "mapped_ahead_share": statistics.fmean(ahead[steps // 2:])}
+
+
+def in_tree(tree: Path, args) -> list[dict]:
+    """This script's own runs with ``tree``'s code, in a process of their own."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, __file__, "--json", "--clients", *map(str, args.clients), "--steps",
+                           str(args.steps), "--kv-gib", str(args.kv_gib), "--seed", str(args.seed)],
+                          env=env, cwd=tree, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--steps", type=int, default=3000, help="per run; the second half is measured")
+    parser.add_argument("--kv-gib", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--a", type=Path, help="with --b: compare two trees, ABBA")
+    parser.add_argument("--b", type=Path)
+    parser.add_argument("--json", action="store_true", help="print the runs as JSON (what --a/--b read)")
+    parser.add_argument("--name", default="scheduler_serving")
+    parser.add_argument("--out", type=Path, default=report.RESULTS)
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps([closed_loop(c, args.steps, args.kv_gib, args.seed) for c in args.clients]))
+        return
+    if (args.a is None) != (args.b is None):
+        sys.exit("--a and --b go together")
+    trees = {"A": args.a.resolve(), "B": args.b.resolve()} if args.a else {"this": Path(__file__).resolve().parents[1]}
+    order = "ABBA" if args.a else ["this"]
+    runs = [{"side": side, "runs": in_tree(trees[side], args)} for side in order]
+    rows = []
+    for c in args.clients:
+        for side in trees:
+            mine = [x for r in runs if r["side"] == side for x in r["runs"] if x["clients"] == c]
+            rows.append([c, side, statistics.fmean(x["us_per_step"] for x in mine), statistics.fmean(x["p99_us"] for x in mine),
+                         max(x["max_us"] for x in mine), statistics.fmean(x["mapped_ahead_share"] for x in mine)])
+    report.write(args.name, ["clients", "tree", "us / step", "p99 us", "max us", "mapped ahead"], rows,
+                 {"trees": {k: str(v) for k, v in trees.items()}, "order": list(order), "runs": runs,
+                  "kv_gib": args.kv_gib, "steps": args.steps}, args.out)
+
+
+if __name__ == "__main__":
+    main()
