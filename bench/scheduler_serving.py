@@ -3,7 +3,9 @@ its last one ends, as ``bench/serving.py``'s clients do) over the ``llama-3-8b``
 prompts, prefix caching on -- so that after the first few hundred requests the pool is full of cached pages and every
 new page is evicted and reclaimed for. ``schedule``, ``lookahead``, the recorded KV operations and ``postprocess`` per
 step, no model and no workers (``bench/scheduler_overhead.py`` runs the offline workloads the same way). The mean and
-the 99th percentile over the second half of the steps: the step loop's share of a decode step, and its stalls.
+the 99th percentile over the second half of the steps: the step loop's share of a decode step, and its stalls; and
+the page maps and unmaps per request the workers replay (the ledger counts them as a worker's cache does), in a step's
+own launch and ahead of it on the mapper thread.
 
     python bench/scheduler_serving.py [--clients 64 256]                # this tree
     python bench/scheduler_serving.py --a /tmp/before --b . [--clients 64 256]   # two trees, ABBA, each run its own process
@@ -50,11 +52,14 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int) -> dict:
 
     for _ in range(clients):
         add()
-    times, ahead = [], []
+    times, ahead, moves, finished = [], [], [], []
     for _ in range(steps):
         start = time.perf_counter()
+        before = ledger.counters()[:2]
         out = scheduler.schedule()
+        in_step = ledger.counters()[:2]
         planned = scheduler.lookahead(out)  # before the operations are taken, as the engine does
+        mapped = ledger.counters()[:2]
         ledger.take_ops()
         ended = 0
         for seq in scheduler.postprocess(out, {s.seq.seq_id: (7,) * s.num_samples for s in out.scheduled if s.num_samples}):
@@ -63,12 +68,19 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int) -> dict:
                 ended += 1
         times.append(time.perf_counter() - start)
         ahead.append(len(planned.needs) / max(1, len(out.scheduled)))
+        # Page maps and unmaps the workers replay: in the step's launch (its recorded operations), and ahead of it
+        moves.append((in_step[0] - before[0], in_step[1] - before[1], mapped[0] - in_step[0], mapped[1] - in_step[1]))
+        finished.append(ended)
         for _ in range(ended):
             add()
     tail = sorted(times[steps // 2:])
+    ended = max(1, sum(finished[steps // 2:]))
+    per_request = [sum(m[k] for m in moves[steps // 2:]) / ended for k in range(4)]
     return {"clients": clients, "steps": steps, "requests": added, "pages": engine_plan.num_pages,
             "us_per_step": 1e6 * statistics.fmean(tail), "p99_us": 1e6 * tail[int(0.99 * len(tail))],
-            "max_us": 1e6 * tail[-1], "mapped_ahead_share": statistics.fmean(ahead[steps // 2:])}
+            "max_us": 1e6 * tail[-1], "mapped_ahead_share": statistics.fmean(ahead[steps // 2:]),
+            "maps_in_step_per_request": per_request[0], "unmaps_in_step_per_request": per_request[1],
+            "maps_ahead_per_request": per_request[2], "unmaps_ahead_per_request": per_request[3]}
 
 
 def in_tree(tree: Path, args) -> list[dict]:
@@ -105,8 +117,11 @@ def main() -> None:
         for side in trees:
             mine = [x for r in runs if r["side"] == side for x in r["runs"] if x["clients"] == c]
             rows.append([c, side, statistics.fmean(x["us_per_step"] for x in mine), statistics.fmean(x["p99_us"] for x in mine),
-                         max(x["max_us"] for x in mine), statistics.fmean(x["mapped_ahead_share"] for x in mine)])
-    report.write(args.name, ["clients", "tree", "us / step", "p99 us", "max us", "mapped ahead"], rows,
+                         max(x["max_us"] for x in mine), statistics.fmean(x["mapped_ahead_share"] for x in mine),
+                         *(statistics.fmean(x[k] for x in mine) for k in ("maps_in_step_per_request",
+                           "unmaps_in_step_per_request", "maps_ahead_per_request", "unmaps_ahead_per_request"))])
+    report.write(args.name, ["clients", "tree", "us / step", "p99 us", "max us", "mapped ahead", "maps in step / req",
+                             "unmaps in step / req", "maps ahead / req", "unmaps ahead / req"], rows,
                  {"trees": {k: str(v) for k, v in trees.items()}, "order": list(order), "runs": runs,
                   "kv_gib": args.kv_gib, "steps": args.steps}, args.out)
 
