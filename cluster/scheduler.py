@@ -205,10 +205,7 @@ class Scheduler:
                 break
             hit = self._cached_prefix(seq)
             try:
-                # A hit goes to the free slot that maps its first page already, if one does; a miss behind a full cache
-                # to a free slot whose least recently used pages it computes over where they are mapped.
-                given = self.kv.slot_holding(hit[0]) if hit else self.kv.reusable_slot(self._full_length(seq))
-                slot = self.kv.alloc_slot(self._full_length(seq), given)
+                slot = self.kv.alloc_slot(self._full_length(seq), self.kv.slot_holding(hit[0]) if hit else None)
             except KVCacheError:
                 break
             if hit:

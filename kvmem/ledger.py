@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from kvmem.errors import KVCacheExhausted
@@ -33,7 +31,6 @@ class PageLedger(NumberedSlotCache):
         super().__init__(spec, num_pages)
         self.keeps_pages_on_free = keeps_pages_on_free
         self.prefixes = PrefixIndex() if caches_prefixes else None
-        self._key_of: dict[int, int] = {}  # page -> the key the prefix cache holds it under
         self._ops: list[KVOp] = []
 
     # -- recorded changes ----------------------------------------------------------------------
@@ -94,31 +91,6 @@ class PageLedger(NumberedSlotCache):
         """Keys of the longest run of ``hashes`` (a sequence's first pages) whose pages are held."""
         return self.prefixes.match(hashes) if self.prefixes is not None else []
 
-    def reusable_slot(self, expected_tokens: int) -> int | None:
-        """For a request that maps no cached prefix, where the pool cannot back ``expected_tokens`` from its free
-        pages: a free slot whose pages it can compute over where they are -- the one released longest ago, once those
-        of its cached pages that are among the least recently used (an eviction's next batch) and that nothing else
-        holds are evicted (recorded). Eviction would take those first anyway, and a reclaim would then unmap them from
-        that slot and map others into the new request's; this way nothing is mapped or unmapped. (With prefix caching
-        every freed slot's full pages are cached, so before this every request behind a full cache remapped all its
-        pages, inside its first step's launch.) None where the pool has room or no free slot serves: ``alloc_slot``'s
-        best fit then."""
-        with self._lock:
-            if self.prefixes is None or self.spec.pages_for(expected_tokens) <= self._free_pages():
-                return None
-            free = [i for i, s in enumerate(self._slots) if not s.in_use and s.pages]
-            if not free:
-                return None
-            slot = min(free, key=self._released.__getitem__)
-            pages = self._slots[slot].pages
-            soon = set(itertools.islice(self.prefixes.eviction_order(), self.eviction_batch() + len(pages)))
-            victims = [key for page in pages if (key := self._key_of.get(page)) in soon and self._refs[page] == 2]
-            if victims:
-                self._evict(tuple(victims))
-            elif not self._own_pages(self._slots[slot]):
-                return None
-            return slot
-
     def slot_holding(self, key: int) -> int | None:
         """A free slot whose first page is already the one held under ``key`` (the request that computed it used
         that slot): mapping the prefix there maps nothing."""
@@ -141,7 +113,6 @@ class PageLedger(NumberedSlotCache):
             if hashes[page] not in self.prefixes:
                 key = self.prefixes.add(hashes[page])
                 self.keep(slot, page, key)
-                self._key_of[self._kept[key]] = key
                 self._ops.append(KeepPage(slot, page, key))
                 added.append(key)
         self.prefixes.touch(self.prefixes.match(hashes))
@@ -166,8 +137,6 @@ class PageLedger(NumberedSlotCache):
         return max(1, self._total_pages() // 64)
 
     def _evict(self, keys: tuple[int, ...]) -> None:
-        for key in keys:
-            del self._key_of[self._kept[key]]
         self.drop_kept(keys)
         self.prefixes.remove(keys)
         self._ops.append(DropKept(keys))
