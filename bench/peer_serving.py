@@ -30,6 +30,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 import report
+import trace_breakdown as tb
 from peer import HERE, hf_config
 from process_sampler import ProcessSampler
 
@@ -64,9 +65,15 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
     if side == "vllm":
         env = {k: v for k, v in env.items() if not k.startswith("FLASHINFER_")}
         env["PYTHONPATH"] = args.vllm_site
+        profiler = []
+        if args.profile:  # its torch profiler, started and stopped over HTTP (vllm_steps); idle until then
+            profiler = ["--profiler-config", json.dumps({
+                "profiler": "torch", "torch_profiler_dir": str((args.work / "vllm_traces").resolve()),
+                "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
+                "torch_profiler_dump_cuda_time_total": False})]
         return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(PORT),
                 "--served-model-name", SERVED, "--dtype", "bfloat16", "--kv-cache-memory-bytes",
-                str(int(args.kv_memory_gib * (1 << 30))), *shared], env
+                str(int(args.kv_memory_gib * (1 << 30))), *shared, *profiler], env
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *env.get("PYTHONPATH", "").split(os.pathsep)])
     return [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(PORT),
             "--served-model-name", SERVED, "--device", args.device, "--dtype", args.dtype,
@@ -188,12 +195,49 @@ def wait_loaded(clients: int, timeout: float = 180) -> bool:
     return False
 
 
+def vattn_steps(label: str, c: int, args) -> dict | None:
+    """Two seconds of the running ``vattn serve``'s steps under torch's profiler (``bench/serve_trace.py``), per
+    replica: ``trace_breakdown.timeline``'s reading."""
+    trace = args.work / f"{label}_steps_{c}.json"
+    subprocess.run([sys.executable, str(HERE / "serve_trace.py"), "--seconds", "2", "--out", str(trace)],
+                   env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])),
+                   timeout=300)
+    if not trace.exists():
+        return None
+    return {replica: r["analysis"] for replica, r in json.loads(trace.read_text()).items()}
+
+
+def vllm_steps(args) -> dict | None:
+    """Two seconds of the running ``vllm serve``'s steps under its torch profiler (``/start_profile``,
+    ``/stop_profile``; its worker writes the trace), read as ours are (``trace_breakdown.timeline``)."""
+    directory = args.work / "vllm_traces"
+    before = set(directory.rglob("*.json.gz")) if directory.exists() else set()
+    post = lambda path: urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", method="POST"),
+                                               timeout=300).read()
+    try:  # the run's other numbers must not be lost to it
+        post("/start_profile")
+        time.sleep(2)
+        post("/stop_profile")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the worker may still be writing it
+            new = sorted(set(directory.rglob("*.json.gz")) - before, key=lambda p: p.stat().st_mtime)
+            if new:
+                time.sleep(2)  # a file that has just appeared may be growing
+                steps = tb.steps(tb.load(new[-1]), r"^execute_context_")
+                return {"vllm": tb.timeline(steps) | {"trace": str(new[-1])}}
+            time.sleep(1)
+        print("--- vllm: no profiler trace appeared", flush=True)
+    except (OSError, ValueError, EOFError) as exc:
+        print(f"--- vllm: its steps could not be recorded: {exc!r}", flush=True)
+    return None
+
+
 def profiled_clients(side: str, label: str, model: Path, args) -> list[dict]:
     """At each ``--profile`` concurrency, ``vllm bench serve`` (with ``--vllm-client``, else ``bench/serving.py``) for
     ``--profile-rounds`` requests a client, on prompts of their own (another seed: none the prefix caches hold), while
     ``ProcessSampler`` samples the side's processes: the run's numbers, each process's CPU and stacks, the counters
-    /metrics moved by over ``--profile-window`` seconds of the load and, for vattn, its steps under torch's profiler
-    (``bench/serve_trace.py``) for two seconds after that (the load must last: ``--profile-rounds``)."""
+    /metrics moved by over ``--profile-window`` seconds of the load and the server's steps under torch's profiler for
+    two seconds after that (``vattn_steps``, ``vllm_steps``; the load must last: ``--profile-rounds``)."""
     out = []
     for c in args.profile:
         sampler = ProcessSampler(PROFILED[side], args.work / f"{label}_profile_{c}")
@@ -212,13 +256,8 @@ def profiled_clients(side: str, label: str, model: Path, args) -> list[dict]:
             after = scrape(f"http://127.0.0.1:{PORT}/metrics")
             metrics["window_s"] = time.monotonic() - start
             metrics["counters"] = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
-            if side == "vattn":  # after the window: the profiler's own cost is not in its counters
-                trace = args.work / f"{label}_steps_{c}.json"
-                subprocess.run([sys.executable, str(HERE / "serve_trace.py"), "--seconds", "2", "--out", str(trace)],
-                               env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get(
-                                   "PYTHONPATH", "")])), timeout=300)
-                if trace.exists():
-                    metrics["steps"] = {replica: r["analysis"] for replica, r in json.loads(trace.read_text()).items()}
+            # After the window: the profiler's own cost is not in its counters.
+            metrics["steps"] = vattn_steps(label, c, args) if side == "vattn" else vllm_steps(args)
         client.join()
         out.append(run | {"processes": sampler.stop(), "inside": metrics})
         print(f"--- {label}: {c} clients profiled: " + json.dumps(
@@ -341,7 +380,8 @@ def main() -> None:
     parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
     parser.add_argument("--profile", type=int, nargs="*", default=[], help="after the clients, drive each server "
                         "with `vllm bench serve` at these concurrencies while its processes are sampled (py-spy, CPU "
-                        "per thread; bench/process_sampler.py); stacks in --work")
+                        "per thread; bench/process_sampler.py) and its steps recorded under torch's profiler for 2 s; "
+                        "stacks and traces in --work")
     parser.add_argument("--profile-rounds", type=int, default=8, help="requests per client in a profiled run")
     parser.add_argument("--profile-window", type=float, default=6, help="seconds of a profiled run's load over which "
                         "the counters /metrics shows are differenced")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from dataclasses import asdict
@@ -21,33 +20,6 @@ import ray
 
 import trace_breakdown as tb
 from server.engine import scheduler_actors
-
-
-def quantiles(values: list[float]) -> dict | None:
-    if not values:
-        return None
-    values = sorted(values)
-    at = lambda q: values[min(len(values) - 1, int(q * len(values)))]
-    return {"n": len(values), "mean": statistics.mean(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99),
-            "max": values[-1]}
-
-
-def analyse(steps: list[tb.Step]) -> dict:
-    """Per kind of step (decode only / prefilling): host span, kernel union and the device span to the next step's
-    first kernel (ms); and the device's idle time between one step's last kernel and the next's first."""
-    timed = [s for s in steps if s.first_kernel_us is not None]
-    spans = {id(a): (b.first_kernel_us - a.first_kernel_us) / 1e3 for a, b in zip(timed, timed[1:])}
-    idle = [max(0.0, (b.first_kernel_us - a.last_kernel_end_us) / 1e3) for a, b in zip(timed, timed[1:])]
-    out = {"steps": len(steps), "device_idle_between_steps_ms": quantiles(idle),
-           "device_idle_share": sum(idle) / sum(spans.values()) if spans else None}
-    for kind, chosen in (("decode", [s for s in timed if "prefill(0)" in s.name]),
-                         ("prefilling", [s for s in timed if "prefill(0)" not in s.name])):
-        out[kind] = {"host_ms": quantiles([s.host_us / 1e3 for s in chosen]),
-                     "kernel_ms": quantiles([s.kernel_us / 1e3 for s in chosen]),
-                     "device_span_ms": quantiles([spans[id(s)] for s in chosen if id(s) in spans]),
-                     "map_wait_ms": quantiles([s.map_wait_us / 1e3 for s in chosen]),
-                     "summary": tb.summarize(chosen, top=6)}
-    return out
 
 
 def main() -> None:
@@ -67,7 +39,7 @@ def main() -> None:
     for replica, actor in actors.items():
         traces = ray.get(actor.stop_profile.remote())
         steps = tb.steps(tb.load(Path(traces[0])), r"^vattn_step_")  # the first worker's: they run the same steps
-        result[replica] = {"trace": traces[0], "analysis": analyse(steps),
+        result[replica] = {"trace": traces[0], "analysis": tb.timeline(steps),
                            "steps": [asdict(s) | {"by_kernel": None} for s in steps]}
     args.out.write_text(json.dumps(result, indent=1))
     for replica, r in result.items():

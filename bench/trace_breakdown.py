@@ -18,6 +18,7 @@ import bisect
 import gzip
 import json
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +169,38 @@ def summarize(selected: list[Step], top: int = 8) -> dict:
         "by_category_ms": {k: v / n / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": [(k[:160], v / n / 1e3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+# A step that computes no prompt token: ours name it ``..._prefill(0)...``, vLLM's ``execute_context_0(0)_...``.
+DECODE_ONLY = re.compile(r"prefill\(0\)|^execute_context_0\(0\)")
+
+
+def quantiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    values = sorted(values)
+    at = lambda q: values[min(len(values) - 1, int(q * len(values)))]
+    return {"n": len(values), "mean": statistics.mean(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99),
+            "max": values[-1]}
+
+
+def timeline(steps: list[Step]) -> dict:
+    """A serving engine's steps, as the device ran them: per kind (decode only / prefilling) the host span, the kernel
+    union and the device span to the next step's first kernel (ms); and the device's idle time between one step's last
+    kernel and the next's first. Both engines' traces read the same way (``DECODE_ONLY``)."""
+    timed = [s for s in steps if s.first_kernel_us is not None]
+    spans = {id(a): (b.first_kernel_us - a.first_kernel_us) / 1e3 for a, b in zip(timed, timed[1:])}
+    idle = [max(0.0, (b.first_kernel_us - a.last_kernel_end_us) / 1e3) for a, b in zip(timed, timed[1:])]
+    out = {"steps": len(steps), "device_idle_between_steps_ms": quantiles(idle),
+           "device_idle_share": sum(idle) / sum(spans.values()) if spans else None}
+    for kind, chosen in (("decode", [s for s in timed if DECODE_ONLY.search(s.name)]),
+                         ("prefilling", [s for s in timed if not DECODE_ONLY.search(s.name)])):
+        out[kind] = {"host_ms": quantiles([s.host_us / 1e3 for s in chosen]),
+                     "kernel_ms": quantiles([s.kernel_us / 1e3 for s in chosen]),
+                     "device_span_ms": quantiles([spans[id(s)] for s in chosen if id(s) in spans]),
+                     "map_wait_ms": quantiles([s.map_wait_us / 1e3 for s in chosen]),
+                     "summary": summarize(chosen, top=6)}
+    return out
 
 
 def main() -> None:
