@@ -220,8 +220,9 @@ def vllm_steps(args) -> dict | None:
         post("/stop_profile")
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the worker may still be writing it
-            new = sorted(set(directory.rglob("*.json.gz")) - before, key=lambda p: p.stat().st_mtime)
-            if new:
+            # The worker's trace, not the API server's (a few KB, written beside it)
+            new = sorted(set(directory.rglob("*.json.gz")) - before, key=lambda p: p.stat().st_size)
+            if new and new[-1].stat().st_size > 1 << 20:
                 time.sleep(2)  # a file that has just appeared may be growing
                 steps = tb.steps(tb.load(new[-1]), r"^execute_context_")
                 return {"vllm": tb.timeline(steps) | {"trace": str(new[-1])}}

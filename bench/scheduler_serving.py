@@ -14,6 +14,7 @@ own launch and ahead of it on the mapper thread.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -26,8 +27,34 @@ from pathlib import Path
 import report
 
 
-def closed_loop(clients: int, steps: int, kv_gib: int, seed: int) -> dict:
-    """``steps`` scheduler steps of ``clients`` clients (512-token random prompts, 128 tokens out, greedy)."""
+class CollectorPauses:
+    """The cyclic garbage collector's collections of generations 1 and 2 while it is on (``gc.callbacks``): their
+    count and seconds, as the step loop's process would stand still for them."""
+
+    def __init__(self):
+        self.pauses: list[float] = []
+        self._start = 0.0
+
+    def __enter__(self) -> "CollectorPauses":
+        gc.callbacks.append(self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._record)
+
+    def _record(self, phase: str, info: dict) -> None:
+        if info["generation"] == 0:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._start)
+
+
+def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool = True) -> dict:
+    """``steps`` scheduler steps of ``clients`` clients (512-token random prompts, 128 tokens out, greedy). A finished
+    request is let go of as ``EngineCore`` does (``Request.release``); ``release=False`` leaves it to the cyclic
+    collector, as before 2026-11-28."""
     from cluster.config import EngineConfig, model_config, plan
     from cluster.scheduler import Scheduler
     from cluster.sequence import Request, Sequence
@@ -50,10 +77,15 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int) -> dict:
         scheduler.add(request.seqs[0])
         added += 1
 
+    gc.collect()
+    gc.freeze()  # what was built so far, as ``worker.heap.freeze_heap`` does once an engine is up
     for _ in range(clients):
         add()
     times, ahead, moves, finished = [], [], [], []
-    for _ in range(steps):
+    collector = CollectorPauses()
+    for i in range(steps):
+        if i == steps // 2:
+            collector.__enter__()
         start = time.perf_counter()
         before = ledger.counters()[:2]
         out = scheduler.schedule()
@@ -65,6 +97,8 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int) -> dict:
         for seq in scheduler.postprocess(out, {s.seq.seq_id: (7,) * s.num_samples for s in out.scheduled if s.num_samples}):
             if seq.num_output_tokens >= params.max_tokens:
                 scheduler.finish(seq, "length")
+                if release:
+                    seq.request.release()
                 ended += 1
         times.append(time.perf_counter() - start)
         ahead.append(len(planned.needs) / max(1, len(out.scheduled)))
@@ -73,12 +107,16 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int) -> dict:
         finished.append(ended)
         for _ in range(ended):
             add()
+    collector.__exit__()
+    gc.unfreeze()
     tail = sorted(times[steps // 2:])
     ended = max(1, sum(finished[steps // 2:]))
     per_request = [sum(m[k] for m in moves[steps // 2:]) / ended for k in range(4)]
     return {"clients": clients, "steps": steps, "requests": added, "pages": engine_plan.num_pages,
             "us_per_step": 1e6 * statistics.fmean(tail), "p99_us": 1e6 * tail[int(0.99 * len(tail))],
             "max_us": 1e6 * tail[-1], "mapped_ahead_share": statistics.fmean(ahead[steps // 2:]),
+            "collections": len(collector.pauses), "collection_ms": 1e3 * sum(collector.pauses),
+            "collection_max_ms": 1e3 * max(collector.pauses, default=0.0),
             "maps_in_step_per_request": per_request[0], "unmaps_in_step_per_request": per_request[1],
             "maps_ahead_per_request": per_request[2], "unmaps_ahead_per_request": per_request[3]}
 
@@ -92,6 +130,20 @@ def in_tree(tree: Path, args) -> list[dict]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def release_ab(args) -> None:
+    """``closed_loop`` with finished requests left to the collector (A) and released (B), ABBA, per client count:
+    the step's mean, p99 and max, and the collector's pauses of generations 1 and 2."""
+    runs = [{"side": side, "runs": [closed_loop(c, args.steps, args.kv_gib, args.seed, release=side == "B")
+                                    for c in args.clients]} for side in "ABBA"]
+    keys = ("us_per_step", "p99_us", "max_us", "collections", "collection_ms", "collection_max_ms")
+    rows = [[c, side, *(statistics.fmean(x[k] for r in runs if r["side"] == side for x in r["runs"] if x["clients"] == c)
+                        for k in keys)] for c in args.clients for side in "AB"]
+    report.write(args.name, ["clients", "side", "us / step", "p99 us", "max us", "collections (gen 1-2)",
+                             "collected ms", "longest ms"], rows,
+                 {"sides": {"A": "finished requests left to the cyclic collector", "B": "released (Request.release)"},
+                  "order": "ABBA", "runs": runs, "kv_gib": args.kv_gib, "steps": args.steps}, args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[64, 256])
@@ -101,11 +153,16 @@ def main() -> None:
     parser.add_argument("--a", type=Path, help="with --b: compare two trees, ABBA")
     parser.add_argument("--b", type=Path)
     parser.add_argument("--json", action="store_true", help="print the runs as JSON (what --a/--b read)")
+    parser.add_argument("--release-ab", action="store_true", help="this tree, finished requests left to the cyclic "
+                        "collector (A) and let go of (B, as the engine does), ABBA in this process")
     parser.add_argument("--name", default="scheduler_serving")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     args = parser.parse_args()
     if args.json:
         print(json.dumps([closed_loop(c, args.steps, args.kv_gib, args.seed) for c in args.clients]))
+        return
+    if args.release_ab:
+        release_ab(args)
         return
     if (args.a is None) != (args.b is None):
         sys.exit("--a and --b go together")

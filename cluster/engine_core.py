@@ -195,7 +195,7 @@ class EngineCore:
                     self._finish(seq, "abort")
         finally:  # its client hears of it even if freeing its memory failed (the next step then recovers)
             self._ended.append(self._output(request, ended="abort"))
-            self.telemetry.record_finished(request, "abort")
+            self._retire(request, "abort")
         if not self.has_work:
             self._flush_or_defer()
 
@@ -275,8 +275,13 @@ class EngineCore:
         outputs = [self._output(r) for r in touched.values() if r.finished or not finished_only or r.request_id in streamed]
         for o in outputs:
             if o.finished:
-                self.telemetry.record_finished(self._requests.pop(o.request_id), o.outputs[0].finish_reason)
+                self._retire(self._requests.pop(o.request_id), o.outputs[0].finish_reason)
         return outputs
+
+    def _retire(self, request: Request, reason: str) -> None:
+        """A request whose final output is built: counted, and its sequences let go of (``Request.release``)."""
+        self.telemetry.record_finished(request, reason)
+        request.release()
 
     def _supply_masks(self) -> None:
         """The grammar masks the next step in flight waits for, now that the tokens before them are read and
@@ -513,7 +518,7 @@ class EngineCore:
                 if seq.status is not SeqStatus.FINISHED:
                     seq.status, seq.finish_reason, seq.slot = SeqStatus.FINISHED, "error", None
             outputs.append(self._output(r, message))
-            self.telemetry.record_finished(self._requests.pop(r.request_id), "error")
+            self._retire(self._requests.pop(r.request_id), "error")
         self.executor.rebuild()
         self.num_rebuilds += 1
         self.telemetry.reset()
@@ -541,7 +546,7 @@ class EngineCore:
                 if seq.status is not SeqStatus.FINISHED:
                     seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
             outputs.append(self._output(r, message))
-            self.telemetry.record_finished(r, "error")
+            self._retire(r, "error")
         self._requests.clear()
         return outputs
 

@@ -3,6 +3,7 @@ streaming, and bad input that leaves the engine serving."""
 
 from __future__ import annotations
 
+import gc
 import re
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ import torch
 
 from cluster.engine import LLM
 from cluster.errors import EngineDeadError
+from cluster.sequence import Request, Sequence
 from tests.cluster.conftest import step_ranges
 from worker.config import PRESETS
 from worker.loader import random_model
@@ -182,6 +184,25 @@ def test_stream_yields_growing_outputs(llm):
     seen = [o.outputs[0].token_ids for o in llm.stream("abc", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))]
     assert [len(s) for s in seen] == [1, 2, 3, 4, 5]
     assert all(seen[i] == seen[-1][: i + 1] for i in range(5))
+
+
+def test_finished_requests_are_freed_without_the_cyclic_collector(llm):
+    """A finished request, its sequences and their token lists go as soon as their outputs are built: the step loop's
+    process never waits on a full collection of dead requests. Aborted ones too."""
+    live = lambda: sum(type(o) in (Request, Sequence) for o in gc.get_objects())
+    gc.collect()
+    before = live()
+    gc.disable()
+    try:
+        llm.generate(["abc", "de"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2))
+        ids = llm.core.add_requests(["fgh"], [SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)])
+        llm.step()
+        llm.core.abort(ids[0])
+        while llm.core.has_work:
+            llm.step()
+        assert live() == before
+    finally:
+        gc.enable()
 
 
 def test_a_failing_incremental_decoder_falls_back_to_whole_decodes(llm):
