@@ -366,7 +366,8 @@ def main() -> None:
     parser.add_argument("--vllm-site", default="/tmp/vroot/site")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--rates", type=float, nargs="*", default=[4, 16])
-    parser.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency")
+    parser.add_argument("--rounds", type=int, default=4, help="requests per client at each concurrency, both clients "
+                        "(with 2, a level was mostly its first wave and its drain: 1.7-7 s)")
     parser.add_argument("--input", type=int, default=512)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=32000, help="prompt ids are drawn below this")

@@ -40,18 +40,22 @@ class VirtualKVCache(SlotCache):
         zero_unmapped: bool = True,
         guard_tokens: int | None = None,
         deferred_reclamation: bool = True,
+        background_unmaps: bool = False,
     ):
         """``deferred_reclamation``: a freed slot keeps its pages mapped for the next request (the paper's
         deferred reclamation); False unmaps them at once (for measuring what that saves). ``guard_tokens`` (with
         ``zero_unmapped``): the zero page backs only that many tokens past each slot's last mapped page -- as far
         as a kernel's tile may read past a sequence -- and the rest of unmapped space stays unbacked, which spares
-        most of the zero page's driver calls (an attach unmaps one zero run, a detach maps back only a guard's worth)."""
+        most of the zero page's driver calls (an attach unmaps one zero run, a detach maps back only a guard's worth).
+        ``background_unmaps``: pages let go of stay mapped until ``unmap_stale`` (``SlotCache.unmaps_in_background``;
+        give the cache an ``AsyncMapper`` and call its ``clean`` between steps)."""
         if spec.layout == "paged":
             raise ValueError("VirtualKVCache takes layout 'per_layer' or 'mega'; use PagedKVCache for 'paged'")
         if pool_bytes < 0:
             raise ValueError(f"pool_bytes must be >= 0, got {pool_bytes}")
         super().__init__(spec)
         self.keeps_pages_on_free = deferred_reclamation
+        self.unmaps_in_background = background_unmaps
         self._owns_vmm = vmm is None
         self._vmm = vmm if vmm is not None else default_vmm()
         if spec.page_size % self._vmm.granularity:

@@ -59,8 +59,16 @@ class MappingPlan:
             return True
 
 
+@dataclass(eq=False)
+class Cleanup:
+    """A ``SlotCache.unmap_stale`` queued on the mapper thread (``AsyncMapper.clean``); ``done`` once it ran."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class AsyncMapper:
-    """One persistent thread that executes ``MappingPlan``s against a cache.
+    """One persistent thread that executes ``MappingPlan``s against a cache, and undoes the mappings of pages let go of
+    (``clean``) while nothing else needs the cache.
 
     ``submit`` returns at once; ``wait`` runs whatever of the plan the thread has not started itself,
     then waits for what is in flight. Only that wait counts as stall time (``cache.stats().stall_seconds``).
@@ -69,19 +77,43 @@ class AsyncMapper:
 
     def __init__(self, cache: SlotCache):
         self._cache = cache
-        self._queue: queue.SimpleQueue[MappingPlan | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[MappingPlan | Cleanup | None] = queue.SimpleQueue()
         self._unobserved: set[MappingPlan] = set()
+        self._cleanup: Cleanup | None = None  # queued and not started: another clean() joins it
+        self._clean_error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvmem-mapper", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while (plan := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, Cleanup):
+                self._cleanup = None  # a clean() from now on queues one more: these pages may be done with by then
+                try:
+                    with record_function("kvmem_unmap_stale"):
+                        self._cache.unmap_stale()
+                except BaseException as exc:  # raised by the next clean(); never lost in the thread
+                    self._clean_error = exc
+                item.done.set()
+                continue
             # A range in a profiler's trace (``LLM.start_profile``): when the driver's mapping calls run beside the
             # launching thread's, whose driver calls they can hold up
             with record_function("kvmem_map_ahead"):
-                while plan._run_next(self._cache):
+                while item._run_next(self._cache):
                     pass
+
+    def clean(self) -> threading.Event:
+        """Queue ``cache.unmap_stale`` (for a cache whose ``unmaps_in_background``), after the plans queued before it;
+        the event is set once it ran. A clean queued and not started yet is joined, not queued again."""
+        if self._closed:
+            raise KVCacheError("AsyncMapper is closed")
+        if self._clean_error is not None:
+            raise self._clean_error
+        cleanup = self._cleanup
+        if cleanup is None:
+            cleanup = self._cleanup = Cleanup()
+            self._queue.put(cleanup)
+        return cleanup.done
 
     def submit(self, plan: MappingPlan) -> MappingPlan:
         """Queue ``plan`` for the mapper thread; returns it for ``wait``."""

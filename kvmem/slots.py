@@ -72,6 +72,10 @@ class SlotCache(ABC):
     #: undone once that work is done (a page may be mapped at two addresses meanwhile: the new owner's writes are
     #: queued after the reads). Without it, taking them waits for that work first.
     defers_unmaps: bool = False
+    #: With ``defers_unmaps``: every page a slot lets go of keeps its mapping until ``unmap_stale`` undoes it (an
+    #: ``AsyncMapper``'s thread, between steps), unless its addresses are mapped again first. The call that let go of
+    #: it -- a step's launch, reclaiming free slots' pages for a new request -- unmaps nothing itself.
+    unmaps_in_background: bool = False
 
     def __init__(self, spec: KVCacheSpec):
         self.spec = spec
@@ -255,7 +259,7 @@ class SlotCache(ABC):
             shared = self._shared_in_write_range(state, need, num_tokens)
             if shared and not copy_shared:
                 return False
-            if self._stale_slots:
+            if self._stale_slots and not self.unmaps_in_background:
                 self._unmap_stale(done_only=True)  # may drop a reference to the slot's pages: look again
                 shared = self._shared_in_write_range(state, need, num_tokens)
             state.expected = max(state.expected, num_tokens)
@@ -426,6 +430,20 @@ class SlotCache(ABC):
             self._stale_slots.discard(slot)
             self._detach_run(slot, len(state.pages), stale)
 
+    def unmap_stale(self) -> int:
+        """Undo the stale mappings of the slots whose queued readers are done, a slot at a time under the lock (a step's
+        launch waits for one slot's at most); returns the pages unmapped. What ``AsyncMapper.clean`` runs."""
+        with self._lock:
+            slots = list(self._stale_slots)
+        unmapped = 0
+        for slot in slots:
+            with self._lock:
+                state = self._slots[slot]
+                if state.stale and (state.fence is None or state.fence.query()):
+                    unmapped += len(state.stale)
+                    self._await_fence(slot)
+        return unmapped
+
     def _unmap_stale(self, done_only: bool) -> None:
         """Undo the stale mappings of every slot whose fence is done (``done_only``), or of all, waiting."""
         for slot in list(self._stale_slots):
@@ -472,7 +490,7 @@ class SlotCache(ABC):
         dropped = state.pages[keep:]
         if not dropped:
             return
-        if self.defers_unmaps and state.fence is not None and not state.fence.query():
+        if self.defers_unmaps and (self.unmaps_in_background or (state.fence is not None and not state.fence.query())):
             state.stale[:0] = dropped  # just below the stale pages already there: one run
             self._stale_slots.add(slot)
         else:

@@ -63,12 +63,15 @@ def backend(request) -> str:
 
 @pytest.fixture
 def cache_factory(backend):
-    """``cache_factory(layout="mega", pool_groups=16, **spec_kwargs)`` -> VirtualKVCache, closed after the test."""
+    """``cache_factory(layout="mega", pool_groups=16, zero_unmapped=True, background_unmaps=False, **spec_kwargs)`` ->
+    VirtualKVCache, closed after the test."""
     made = []
 
-    def factory(layout: str = "mega", pool_groups: int = 16, zero_unmapped: bool = True, **spec_kwargs):
+    def factory(layout: str = "mega", pool_groups: int = 16, zero_unmapped: bool = True, background_unmaps: bool = False,
+                **spec_kwargs):
         spec = make_spec(backend, layout, **spec_kwargs)
-        cache = VirtualKVCache(spec, pool_groups * spec.num_buffers * spec.page_size, make_vmm(backend), zero_unmapped=zero_unmapped)
+        cache = VirtualKVCache(spec, pool_groups * spec.num_buffers * spec.page_size, make_vmm(backend),
+                               zero_unmapped=zero_unmapped, background_unmaps=background_unmaps)
         made.append(cache)
         return cache
 

@@ -141,9 +141,11 @@ class Worker:
         if c.kv_spec.layout == "paged":
             self.cache = PagedKVCache(c.kv_spec, pool_bytes, self.device)
         else:
+            # Pages let go of in a step's launch (a new request's, reclaiming free slots' pages the prefix cache no
+            # longer holds) are unmapped by the mapper's thread once the step before is done (``finish``), not there.
             self.cache = VirtualKVCache(c.kv_spec, pool_bytes, default_vmm(self.device),
                                         deferred_reclamation=c.deferred_reclamation, zero_unmapped=c.zero_unmapped,
-                                        guard_tokens=c.kv_guard_tokens)
+                                        guard_tokens=c.kv_guard_tokens, background_unmaps=True)
         try:
             self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
                                       c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders or c.token_ring,
@@ -211,10 +213,12 @@ class Worker:
         """Wait for a launched step and read what it sampled; steps finish in the order they were launched."""
         start = time.perf_counter()
         try:
-            if pending.launched is None:
+            if pending.launched is None:  # a step without a batch (frees after the last requests)
+                self.mapper.clean()
                 return StepOutput({})
             try:
                 out = pending.launched.result()
+                self.mapper.clean()  # what this step read and was let go of meanwhile: its mappings go now
                 self._device += pending.launched.device_seconds
                 if self.config.fills_placeholders:  # not for sequences that ended meanwhile (their state is gone)
                     self._last.update((s, drawn[0]) for s, drawn in out.sampled.items() if s in self._seqs)

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from kvmem import KVCacheError, KVCacheExhausted, KVCacheSpec, VirtualKVCache
+from kvmem import AsyncMapper, KVCacheError, KVCacheExhausted, KVCacheSpec, VirtualKVCache
 from tests.conftest import check_invariants, make_spec, make_vmm, tokens_per_page
 
 LAYOUTS = ["mega", "per_layer"]
@@ -293,6 +293,48 @@ def test_a_fenced_free_slot_is_unmapped_only_after_the_queued_read(cache_factory
     assert read.total.item() == want
     cache.ensure(b, 4 * tpp)
     assert not cache._slots[a].stale and cache._slots[a].fence is None
+    check_invariants(cache)
+
+
+def test_pages_let_go_of_in_the_background_mode_are_unmapped_by_the_mappers_clean(cache_factory):
+    """A new request reclaiming a free slot's pages (a step's launch) maps its own and unmaps nothing; the mapper's
+    thread undoes the old mappings later, and the slot reads zeros then."""
+    cache = cache_factory(pool_groups=4, background_unmaps=True)
+    tpp = tokens_per_page(cache)
+    a = cache.alloc_slot()
+    cache.ensure(a, 4 * tpp)
+    fill(cache, a, 0, 4 * tpp, tag=2.0)
+    cache.free_slot(a)
+    b = cache.alloc_slot(0)
+    assert b != a
+    unmaps = cache.counters()[1]
+    cache.ensure(b, 4 * tpp)  # the whole pool: a's pages
+    assert cache.counters()[1] == unmaps and len(cache._slots[a].stale) == 4
+    fill(cache, b, 0, 4 * tpp, tag=3.0)
+    with AsyncMapper(cache) as mapper:
+        assert mapper.clean().wait(10)
+    assert cache.counters()[1] == unmaps + 4 and not cache._slots[a].stale
+    assert_holds(cache, b, 0, 4 * tpp, tag=3.0)
+    assert cache.k(0)[a].abs().sum().item() == 0
+    check_invariants(cache)
+
+
+def test_a_background_clean_leaves_a_fenced_slots_mappings_until_its_reader_is_done(cache_factory):
+    cache = cache_factory(pool_groups=4, background_unmaps=True)
+    tpp = tokens_per_page(cache)
+    a, want, read = freed_under_a_read(cache, 3)
+    b = cache.alloc_slot(0)
+    cache.ensure(b, 4 * tpp)  # a's three pages and the free one; a's mappings stay
+    with AsyncMapper(cache) as mapper:
+        try:
+            assert mapper.clean().wait(10)
+            assert len(cache._slots[a].stale) == 3, "unmapped under a queued read"
+        finally:
+            read.release()
+        read.synchronize()
+        assert read.total.item() == want
+        assert mapper.clean().wait(10)
+    assert not cache._slots[a].stale
     check_invariants(cache)
 
 
