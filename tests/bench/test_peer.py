@@ -162,6 +162,26 @@ def test_a_breakdown_says_how_long_the_kv_mapper_ran_beside_each_step_and_the_la
         "for 0.01 ms): attention 0.10; host: kv_ops 0.00  plan 0.00"]
 
 
+def test_a_serving_timeline_tells_decode_steps_from_prefilling_ones_in_both_engines_names(tmp_path):
+    """Steps 1 ms apart, each with a 100-us kernel 20 us in, the prefilling step's 100 us later still: the device spans
+    1.0, 1.1 and 0.9 ms, idle 0.9, 1.0 and 0.8 of them; the last step has no end, the one before it no next kernel."""
+    for decode, prefill in (("execute_context_0(0)_generation_4(4)", "execute_context_1(512)_generation_3(3)"),
+                            ("vattn_step_prefill(0)_decode(4)_seqs(4)", "vattn_step_prefill(512)_decode(3)_seqs(4)")):
+        names = [decode, decode, prefill, decode, decode]
+        path = Path(synthetic_trace(tmp_path / "t.json", [(n, 1000.0 * i) for i, n in enumerate(names)], 20))
+        events = trace_breakdown.load(path)
+        for e in events:
+            if e.get("cat") == "kernel" and e["args"]["correlation"] == 2:
+                e["ts"] += 100
+        timeline = trace_breakdown.timeline(trace_breakdown.steps(events, r"^(execute_context_|vattn_step_)"))
+        assert timeline["steps"] == 4
+        assert timeline["device_idle_share"] == pytest.approx(2.7 / 3.0)
+        assert timeline["device_idle_between_steps_ms"]["max"] == pytest.approx(1.0)
+        assert timeline["decode"]["kernel_ms"]["n"] == 3 and timeline["prefilling"]["kernel_ms"]["n"] == 1
+        assert timeline["decode"]["device_span_ms"]["max"] == pytest.approx(1.1)
+        assert timeline["prefilling"]["device_span_ms"]["p50"] == pytest.approx(0.9)
+
+
 def test_sides_run_in_abba_order_with_the_same_settings_and_prompts(tmp_path):
     args = peer.build_parser().parse_args(["run", "--workloads", "w1", "long", "--profile", "w1"])
     specs = peer.prepare(args, "call-1", tmp_path)
