@@ -145,7 +145,8 @@ class AsyncMapper:
         return waited
 
     def close(self) -> None:
-        """Stop the thread after the plans already queued; raise an error no ``wait`` has seen."""
+        """Stop the thread after the plans and cleanups already queued; raise an error no ``wait`` or ``clean`` has
+        seen."""
         if self._closed:
             return
         self._closed = True
@@ -155,6 +156,8 @@ class AsyncMapper:
         self._unobserved.clear()
         if failed:
             raise failed[0]._errors[0]
+        if self._clean_error is not None:
+            raise self._clean_error
 
     def __enter__(self) -> "AsyncMapper":
         return self
