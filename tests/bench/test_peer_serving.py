@@ -4,6 +4,7 @@ comparison of their clients' numbers (the servers themselves run on the GPU mach
 from __future__ import annotations
 
 import argparse
+import json
 
 import sys
 from pathlib import Path
@@ -65,12 +66,16 @@ def test_vllm_clients_view_is_averaged_per_side_and_a_failed_level_is_left_out()
 def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_servers_for_room():
     args = argparse.Namespace(prefixes=32, prefix_len=2048, input=256, output=128, max_num_seqs=256,
                               max_num_batched_tokens=8192, vllm_site="/v", kv_memory_gib=40, device="cuda",
-                              dtype="bfloat16")
+                              dtype="bfloat16", profile=[], work=Path("/w"))
     assert peer_serving.dataset_args(args) == [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "2048", "--prefix-repetition-suffix-len",
         "256", "--prefix-repetition-num-prefixes", "32", "--prefix-repetition-output-len", "128"]
     for side in ("vattn", "vllm"):
         command, _ = peer_serving.server_command(side, Path("/m"), args)
         assert command[command.index("--max-model-len") + 1] == str(2048 + 256 + 128 + 64)
+        assert "--profiler-config" not in command
+    profiled, _ = peer_serving.server_command("vllm", Path("/m"), argparse.Namespace(**vars(args) | {"profile": [64]}))
+    config = json.loads(profiled[profiled.index("--profiler-config") + 1])  # vLLM's torch profiler, idle until asked
+    assert config["profiler"] == "torch" and config["torch_profiler_dir"] == "/w/vllm_traces"
     assert peer_serving.dataset_args(argparse.Namespace(prefixes=0, input=512, output=128))[:2] == ["--dataset-name",
                                                                                                    "random"]
