@@ -200,7 +200,7 @@ def vattn_steps(label: str, c: int, args) -> dict | None:
     replica: ``trace_breakdown.timeline``'s reading."""
     trace = args.work / f"{label}_steps_{c}.json"
     subprocess.run([sys.executable, str(HERE / "serve_trace.py"), "--seconds", "2", "--out", str(trace)],
-                   env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])),
+                   env=report.tree_env(HERE.parent),
                    timeout=300)
     if not trace.exists():
         return None

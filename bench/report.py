@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -42,6 +43,12 @@ def environment() -> dict:
         "versions": versions,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """This process's environment with ``tree`` first on ``PYTHONPATH``: a child process that runs a source tree's code
+    (another tree's, in an A/B) imports from it before whatever else is on the path."""
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
 
 
 def write(name: str, headers: list[str], rows: list[list], data: dict, out_dir: Path = RESULTS) -> Path:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -123,7 +122,7 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool 
 
 def in_tree(tree: Path, args) -> list[dict]:
     """This script's own runs with ``tree``'s code, in a process of their own."""
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+    env = report.tree_env(tree)
     done = subprocess.run([sys.executable, __file__, "--json", "--clients", *map(str, args.clients), "--steps",
                            str(args.steps), "--kv-gib", str(args.kv_gib), "--seed", str(args.seed)],
                           env=env, cwd=tree, capture_output=True, text=True, check=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ def revision(tree: Path) -> str:
 def run(tree: Path, serving_args: list[str], out: Path, name: str) -> dict:
     """``tree``'s bench/serving.py with ``serving_args``, its code on the path of the server it starts."""
     # The tree first, before whatever else the path holds (the GPU machine's Ray and kernel builds)
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+    env = report.tree_env(tree)
     cmd = [sys.executable, str(tree / "bench" / "serving.py"), *serving_args, "--name", name, "--out", str(out)]
     subprocess.run(cmd, cwd=tree, env=env, check=True)
     return json.loads((out / f"{name}.json").read_text())
