@@ -101,6 +101,20 @@ class SchedulerActor:
         self.add_requests(prompts, [call.params] * len(prompts), call.stream, list(call.request_ids), call.consumer)
 
     @hot
+    def add_many(self, calls: list[AddCall]) -> list[BaseException | None]:
+        """``add`` for each of ``calls`` (an ingress's calls that came while its last one was on its way: one actor
+        call for all of them); each call's error in its place, None where it was queued. A burst of 256 one-request calls
+        took 167-212 ms to queue one call each, 12 ms in one (CPU box), all of it beside the step loop."""
+        errors: list[BaseException | None] = []
+        for call in calls:
+            try:
+                self.add(call)
+                errors.append(None)
+            except Exception as exc:  # that call's own: bad input, or the engine draining or dead
+                errors.append(exc)
+        return errors
+
+    @hot
     def add_requests(self, prompts: list[Prompt], params: list[SamplingParams | None], stream: bool = False,
                      request_ids: list[str] | None = None, consumer: str | None = None) -> list[str]:
         """Validate all (a ``ValueError`` queues none), queue them for the loop; their ids (``request_ids``: the

@@ -11,7 +11,9 @@ scheduler actor itself, once a call through Serve named it. That takes two hops 
 handle's call through Serve's router, and the replica's to its scheduler): on the 2-core CPU box, one client's TTFT
 p50 went from 19.5 to 12.4 ms (``bench/results/serving_direct_ab_cpu.json``). A scheduler that is gone, failed or
 draining (its replica being stopped in a rolling update) sends the call back to Serve, which knows the replica that
-replaced it.
+replaced it. Calls for that scheduler that come while one is on its way go together in the next actor call
+(``SchedulerActor.add_many``): a burst of requests, as when many clients start at once, costs the step loop's process a
+few calls, not one each (``bench/add_burst.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class OutputCollector:
         self._queues: dict[str, asyncio.Queue] = {}
         self._live: dict[str, set[str]] = {}  # scheduler name -> requests of this ingress there
         self._pollers: dict[str, asyncio.Task] = {}
+        # Per direct scheduler: the calls that came while one was on its way, sent together next (``_send_adds``).
+        self._adds: dict[str, list[tuple[AddCall, asyncio.Future]]] = {}
+        self._senders: dict[str, asyncio.Task] = {}
 
     async def generate(self, prompts: list, params: SamplingParams, stream: bool, chat: list[dict] | None = None,
                        cache_salt: str | None = None, tools: list[dict] | None = None) -> AsyncIterator[list[Progress]]:
@@ -124,7 +129,7 @@ class OutputCollector:
             direct = self._scheduler
             try:
                 if direct is not None:
-                    await direct.actor.add.remote(call)
+                    await self._add_direct(direct, call)
                     return direct
                 scheduler = await self.engine.add.remote(call)
             except Exception as exc:
@@ -141,6 +146,34 @@ class OutputCollector:
             if self.direct:
                 self._scheduler = scheduler
             return scheduler
+
+    async def _add_direct(self, direct: SchedulerRef, call: AddCall) -> None:
+        """``call`` queued on ``direct``'s scheduler actor, with the calls that come meanwhile: one actor call carries
+        all that wait (``SchedulerActor.add_many``), so that a burst of requests costs the step loop's process a few
+        calls, not one each. Raises what queueing this call raised."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._adds.setdefault(direct.name, []).append((call, future))
+        sender = self._senders.get(direct.name)
+        if sender is None or sender.done():
+            # In a context of its own, as the pollers: a request cancelled (its client gone) must not cancel the others'.
+            self._senders[direct.name] = loop.create_task(self._send_adds(direct), context=contextvars.Context())
+        await future
+
+    async def _send_adds(self, direct: SchedulerRef) -> None:
+        while batch := self._adds.pop(direct.name, None):
+            try:
+                errors = await direct.actor.add_many.remote([call for call, _ in batch])
+            except Exception as exc:  # the actor gone or dead: every call of the batch hears of it
+                errors = [exc] * len(batch)
+            for (call, future), error in zip(batch, errors, strict=True):
+                if future.cancelled():  # its caller went away while the call was on its way: nobody reads them
+                    if error is None:
+                        _abort(direct, set(call.request_ids))
+                elif error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(None)
 
     def _poll(self, scheduler: SchedulerRef) -> None:
         task = self._pollers.get(scheduler.name)

@@ -84,16 +84,22 @@ def test_a_consumers_poll_sees_requests_added_while_it_waits_and_no_one_elses():
 def test_a_draining_scheduler_finishes_what_it_holds_and_refuses_new_calls():
     """Calls (``AddCall``, what the HTTP ingress sends: text or token ids, salted or not) queue their requests. Once
     the replica drains (a rolling update), the scheduler refuses new calls with ``EngineDrainingError`` -- the ingress
-    sends them to Serve instead -- and runs the requests it holds to their ends."""
+    sends them to Serve instead -- and runs the requests it holds to their ends. Calls that come together
+    (``add_many``) each get their own answer: a bad one's error in its place, the others queued."""
     forty = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     with LLM("tiny", distributed="ray", kv_memory=8 << 20, **SMALL) as llm:
         actor = llm._engine.actor
         ray.get(actor.add.remote(AddCall(["held"], forty, True, ("h1",), "ingress-a")))
-        ray.get(actor.add.remote(AddCall([[104, 105]], forty, False, ("c1",), "ingress-a", cache_salt="tenant")))
+        errors = ray.get(actor.add_many.remote([
+            AddCall([[104, 105]], forty, False, ("c1",), "ingress-a", cache_salt="tenant"),
+            AddCall([[104, 1 << 20]], forty, False, ("x1",), "ingress-a")]))
+        assert errors[0] is None and isinstance(errors[1], ValueError) and "prompt token ids" in str(errors[1])
         ray.get(actor.drain.remote())
         assert ray.get(actor.health.remote()) == "draining"
         with pytest.raises(EngineDrainingError, match="being stopped: it takes no new requests"):
             ray.get(actor.add.remote(AddCall(["late"], forty, True, ("l1",), "ingress-a")))
+        [late] = ray.get(actor.add_many.remote([AddCall(["late"], forty, True, ("l2",), "ingress-a")]))
+        assert isinstance(late, EngineDrainingError)
         finals, deadline = {}, time.monotonic() + 60
         while len(finals) < 2 and time.monotonic() < deadline:
             finals |= {o.request_id: o for o in ray.get(actor.wait_outputs.remote(None, 5.0, "ingress-a")) if o.finished}
