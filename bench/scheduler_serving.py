@@ -34,11 +34,10 @@ class CollectorPauses:
         self.pauses: list[float] = []
         self._start = 0.0
 
-    def __enter__(self) -> "CollectorPauses":
+    def start(self) -> None:
         gc.callbacks.append(self._record)
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         gc.callbacks.remove(self._record)
 
     def _record(self, phase: str, info: dict) -> None:
@@ -84,7 +83,7 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool 
     collector = CollectorPauses()
     for i in range(steps):
         if i == steps // 2:
-            collector.__enter__()
+            collector.start()
         start = time.perf_counter()
         before = ledger.counters()[:2]
         out = scheduler.schedule()
@@ -106,7 +105,7 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool 
         finished.append(ended)
         for _ in range(ended):
             add()
-    collector.__exit__()
+    collector.stop()
     gc.unfreeze()
     tail = sorted(times[steps // 2:])
     ended = max(1, sum(finished[steps // 2:]))

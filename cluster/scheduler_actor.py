@@ -104,7 +104,8 @@ class SchedulerActor:
     def add_many(self, calls: list[AddCall]) -> list[BaseException | None]:
         """``add`` for each of ``calls`` (an ingress's calls that came while its last one was on its way: one actor
         call for all of them); each call's error in its place, None where it was queued. A burst of 256 one-request calls
-        took 167-212 ms to queue one call each, 12 ms in one (CPU box), all of it beside the step loop."""
+        was queued after 208 ms one call each and 23 ms in one (``bench/results/add_burst_cpu.json``), all of it beside
+        the step loop."""
         errors: list[BaseException | None] = []
         for call in calls:
             try:

@@ -104,11 +104,16 @@ class AsyncMapper:
 
     def clean(self) -> threading.Event:
         """Queue ``cache.unmap_stale`` (for a cache whose ``unmaps_in_background``), after the plans queued before it;
-        the event is set once it ran. A clean queued and not started yet is joined, not queued again."""
+        the event is set once it ran (at once where no slot keeps stale mappings). A clean queued and not started yet is
+        joined, not queued again."""
         if self._closed:
             raise KVCacheError("AsyncMapper is closed")
         if self._clean_error is not None:
             raise self._clean_error
+        if not self._cache.has_stale:  # a decode step's usual case: no queue put, no thread woken
+            nothing = threading.Event()
+            nothing.set()
+            return nothing
         cleanup = self._cleanup
         if cleanup is None:
             cleanup = self._cleanup = Cleanup()

@@ -260,8 +260,8 @@ class SlotCache(ABC):
             if shared and not copy_shared:
                 return False
             if self._stale_slots and not self.unmaps_in_background:
-                self._unmap_stale(done_only=True)  # may drop a reference to the slot's pages: look again
-                shared = self._shared_in_write_range(state, need, num_tokens)
+                # Stale mappings hold no references (``_drop_tail`` let go of them): this only keeps them few.
+                self._unmap_stale(done_only=True)
             state.expected = max(state.expected, num_tokens)
             if need <= len(state.pages) and not shared:
                 # Backed already, and no page the writes reach is shared, so none past its tokens either: nothing to
@@ -443,6 +443,11 @@ class SlotCache(ABC):
                     unmapped += len(state.stale)
                     self._await_fence(slot)
         return unmapped
+
+    @property
+    def has_stale(self) -> bool:
+        """Whether some slot keeps mappings of pages it let go of (``unmap_stale`` has work)."""
+        return bool(self._stale_slots)
 
     def _unmap_stale(self, done_only: bool) -> None:
         """Undo the stale mappings of every slot whose fence is done (``done_only``), or of all, waiting."""

@@ -311,8 +311,11 @@ def test_pages_let_go_of_in_the_background_mode_are_unmapped_by_the_mappers_clea
     cache.ensure(b, 4 * tpp)  # the whole pool: a's pages
     assert cache.counters()[1] == unmaps and len(cache._slots[a].stale) == 4
     fill(cache, b, 0, 4 * tpp, tag=3.0)
+    assert cache.has_stale
     with AsyncMapper(cache) as mapper:
         assert mapper.clean().wait(10)
+        assert not cache.has_stale
+        assert mapper.clean().is_set()  # nothing stale: done at once, nothing queued
     assert cache.counters()[1] == unmaps + 4 and not cache._slots[a].stale
     assert_holds(cache, b, 0, 4 * tpp, tag=3.0)
     assert cache.k(0)[a].abs().sum().item() == 0
