@@ -122,7 +122,8 @@ def our_clients(label: str, model: Path, args, concurrency: list[int] | None = N
     name = f"{label}_ours"
     subprocess.run([sys.executable, str(HERE / "serving.py"), "--url", f"http://127.0.0.1:{PORT}", "--served-name",
                     SERVED, "--concurrency", *map(str, concurrency or args.concurrency),
-                    "--rates", *map(str, args.rates if rates is None else rates), "--rounds", str(rounds or args.rounds),
+                    "--rates", *map(str, args.rates if rates is None else rates), "--rate-seconds", str(args.rate_seconds),
+                    "--rounds", str(rounds or args.rounds),
                     "--input", str(args.input), "--output", str(args.output), "--vocab", str(args.vocab),
                     "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
                     "--name", name, "--out", str(args.work), "--engine-metrics"], check=True)
@@ -138,26 +139,65 @@ def dataset_args(args) -> list[str]:
     return ["--dataset-name", "random", "--random-input-len", str(args.input), "--random-output-len", str(args.output)]
 
 
-def vllm_client(label: str, c: int, num_prompts: int, model: Path, args, seed: int = 0) -> dict:
-    """One ``vllm bench serve`` run (random dataset, drawn with ``seed``) of ``num_prompts`` at ``c`` clients against
-    the running server."""
+def vllm_client(label: str, c: int | None, num_prompts: int, model: Path, args, seed: int = 0,
+                rate: float | None = None) -> dict:
+    """One ``vllm bench serve`` run (random dataset, drawn with ``seed``) of ``num_prompts`` against the running server:
+    ``c`` clients, or Poisson arrivals at ``rate`` requests/s (at most 1024 open, as ours). Its per-request records
+    stay in ``--work``; the result carries what they say (``request_timeline``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_")} | {"PYTHONPATH": args.vllm_site}
-    name = f"{label}_vllm_client_{c}.json"
+    name = f"{label}_vllm_client_{c}.json" if rate is None else f"{label}_vllm_client_{rate:g}rps.json"
+    load = ["--max-concurrency", str(c)] if rate is None else ["--request-rate", f"{rate:g}", "--burstiness", "1",
+                                                                "--max-concurrency", "1024"]
     done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
                            "--base-url", f"http://127.0.0.1:{PORT}", "--model", SERVED, "--tokenizer", str(model),
-                           *dataset_args(args), "--num-prompts", str(num_prompts), "--max-concurrency", str(c),
+                           *dataset_args(args), "--num-prompts", str(num_prompts), *load,
                            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
-                           "50,90,99", "--seed", str(seed), "--save-result", "--result-dir", str(args.work), "--result-filename", name],
-                          env=env)
+                           "50,90,99", "--seed", str(seed), "--save-result", "--save-detailed", "--result-dir",
+                           str(args.work), "--result-filename", name], env=env)
+    level = {"concurrency": c, "rate": rate}
     if done.returncode != 0:  # the second client's failure must not lose the first one's numbers
-        print(f"--- {label}: vllm bench serve at {c} clients exited with {done.returncode}", flush=True)
-        return {"concurrency": c, "error": done.returncode}
-    return json.loads((args.work / name).read_text()) | {"concurrency": c}
+        print(f"--- {label}: vllm bench serve at {load_name(level)} exited with {done.returncode}", flush=True)
+        return level | {"error": done.returncode}
+    result = json.loads((args.work / name).read_text())
+    summary = {k: v for k, v in result.items() if k not in PER_REQUEST}
+    return summary | level | {"request_timeline": request_timeline(result)}
+
+
+#: ``vllm bench serve``'s per-request records (``--save-detailed``): kept in ``--work``, summed up in the results.
+PER_REQUEST = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
+
+
+def request_timeline(result: dict) -> dict:
+    """What ``vllm bench serve``'s per-request records say beyond its percentiles, for a server compared with another
+    on the same load: how many requests it kept in flight and decoding on average (Little's law over the run: their
+    summed time over its duration -- fewer where a closed loop's clients wait on late last tokens), the time a
+    request's tokens spent in gaps beyond the run's median inter-token gap (steps that prefilled others, or late
+    delivery), and the share of tokens that came within 1 ms of the one before (delivered together)."""
+    starts, ttfts, itls = result.get("start_times"), result.get("ttfts"), result.get("itls")
+    if not ttfts or not itls:
+        return {}
+    gaps = [g for request in itls for g in request]
+    median = statistics.median(gaps) if gaps else 0.0
+    timeline = {"stall_ms_per_request": 1e3 * statistics.fmean(sum(max(0.0, g - median) for g in request)
+                                                               for request in itls),
+                "median_itl_ms": 1e3 * median, "bunched_share": sum(g < 1e-3 for g in gaps) / max(1, len(gaps))}
+    if starts:  # not in every vLLM's records
+        e2e = [t + sum(request) for t, request in zip(ttfts, itls)]
+        span = max(s + e for s, e in zip(starts, e2e)) - min(starts)
+        timeline |= {"in_flight_mean": sum(e2e) / span,
+                     "decoding_mean": sum(e - t for e, t in zip(e2e, ttfts)) / span}
+    return timeline
+
+
+def load_name(level: dict) -> str:
+    return f"{level['rate']:g}/s" if level.get("rate") else f"{level['concurrency']} clients"
 
 
 def vllm_clients(label: str, model: Path, args) -> list[dict]:
-    """``vllm bench serve`` at each concurrency against the running server."""
-    return [vllm_client(label, c, max(16, args.rounds * c), model, args) for c in args.concurrency]
+    """``vllm bench serve`` at each concurrency, then at each Poisson rate, against the running server."""
+    return ([vllm_client(label, c, max(16, args.rounds * c), model, args) for c in args.concurrency]
+            + [vllm_client(label, None, max(16, round(rate * args.rate_seconds)), model, args, rate=rate)
+               for rate in args.rates])
 
 
 #: The processes ``--profile`` samples, per side: the step loop's, the HTTP front's, the GPU worker's.
@@ -266,21 +306,36 @@ def profiled_clients(side: str, label: str, model: Path, args) -> list[dict]:
     return out
 
 
+#: ``vllm_client_table``'s columns: (key in a ``vllm_client`` level, or in its ``request_timeline``; header).
+CLIENT_COLUMNS = [("output_throughput", "tok/s"), ("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
+                  ("median_tpot_ms", "TPOT p50 ms"), ("p99_itl_ms", "ITL p99 ms"), ("decoding_mean", "decoding"),
+                  ("stall_ms_per_request", "stall ms/req")]
+
+
 def vllm_client_table(runs: list[dict]) -> tuple[list[str], list[list]]:
-    """``vllm bench serve``'s view, per concurrency: each side's mean output tok/s and median TTFT / TPOT."""
+    """``vllm bench serve``'s view, per load: each side's mean of each of ``CLIENT_COLUMNS`` (vattn, then vLLM) and
+    vattn / vLLM of the output tok/s; a failed run is left out of its level."""
+    loads = []
+    for r in runs:
+        for x in r.get("vllm_client", ()):
+            if (key := (x.get("concurrency"), x.get("rate"))) not in loads:
+                loads.append(key)
     rows = []
-    concurrencies = sorted({c["concurrency"] for r in runs for c in r.get("vllm_client", ())})
-    for c in concurrencies:
-        row = [c]
-        for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
-            means = {}
+    for c, rate in loads:
+        row: list = [load_name({"concurrency": c, "rate": rate})]
+        for key, _ in CLIENT_COLUMNS:
             for side in ("vattn", "vllm"):
-                values = [x[key] for r in runs if r["side"] == side for x in r.get("vllm_client", ())
-                          if x["concurrency"] == c and key in x]
-                means[side] = statistics.mean(values) if values else None
-            row += [means["vattn"], means["vllm"]]
+                values = [x.get(key, x.get("request_timeline", {}).get(key)) for r in runs if r["side"] == side
+                          for x in r.get("vllm_client", ()) if (x.get("concurrency"), x.get("rate")) == (c, rate)]
+                values = [v for v in values if v is not None]
+                row.append(statistics.mean(values) if values else None)
+        row.insert(3, row[1] / row[2] if row[1] and row[2] else None)
         rows.append(row)
-    return ["clients", "tok/s vattn", "vLLM", "TTFT p50 ms vattn", "vLLM", "TPOT p50 ms vattn", "vLLM"], rows
+    headers = ["load"]
+    for _, name in CLIENT_COLUMNS:
+        headers += [f"{name} vattn", "vLLM"]
+    headers.insert(3, "vattn / vLLM")
+    return headers, rows
 
 
 def run_side(side: str, index: int, model: Path, args) -> dict:
@@ -321,7 +376,7 @@ def compare(runs: list[dict]) -> tuple[list[str], list[list], dict]:
     levels = by_side["vattn"][0]["ours"]["levels"]
     rows, data = [], []
     for i, level in enumerate(levels):
-        load = f"{level['rate']:g}/s" if level["rate"] else f"{level['concurrency']} clients"
+        load = load_name(level)
         v = {k: mean("vattn", i, *k.split(":")) for k in ("output_tok_s", "ttft_s:p50", "ttft_s:p99", "tpot_s:p50")}
         p = {k: mean("vllm", i, *k.split(":")) for k in v}
         errors = sum(r["ours"]["levels"][i]["errors"] for rs in by_side.values() for r in rs)
@@ -335,25 +390,34 @@ def compare(runs: list[dict]) -> tuple[list[str], list[list], dict]:
     return headers, rows, {"levels": data}
 
 
-def plot(levels: list[dict], path: Path, title: str) -> None:
-    """Per load level, both servers: output tok/s, TTFT p50 / p99 and TPOT p50 (``compare``'s levels)."""
+def plot(levels: list[dict], path: Path, title: str, client: dict | None = None) -> None:
+    """Per load level, both servers: output tok/s, TTFT p50 / p99 and TPOT p50 (``compare``'s levels), and below
+    them the same from ``vllm bench serve`` where ``client`` (``vllm_client_table``'s headers and rows) has them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    loads = [level["load"] for level in levels]
-    x = range(len(loads))
-    panels = [("output_tok_s", "output tok/s", 1), ("ttft_s:p50", "TTFT p50 (ms)", 1e3), ("ttft_s:p99", "TTFT p99 (ms)", 1e3),
-              ("tpot_s:p50", "TPOT p50 (ms)", 1e3)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
-    for ax, (key, label, scale) in zip(axes, panels):
-        for offset, side in ((-0.2, "vattn"), (0.2, "vllm")):
-            ax.bar([i + offset for i in x], [scale * (level[side][key] or 0) for level in levels], width=0.4,
-                   label="vattn" if side == "vattn" else "vLLM")
-        ax.set_xticks(list(x), loads, fontsize=7)
-        ax.set_title(label, fontsize=9)
-    axes[0].legend(fontsize=7)
+    panels = [("output_tok_s", "output tok/s", 1), ("ttft_s:p50", "TTFT p50 (ms)", 1e3),
+              ("ttft_s:p99", "TTFT p99 (ms)", 1e3), ("tpot_s:p50", "TPOT p50 (ms)", 1e3)]
+    views = [("our client", [level["load"] for level in levels],
+              {key: {side: [scale * (level[side][key] or 0) for level in levels] for side in ("vattn", "vllm")}
+               for key, _, scale in panels})]
+    if client and client["rows"]:
+        where = {h: i for i, h in enumerate(client["headers"])}
+        columns = dict(zip((key for key, _, _ in panels), ("tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms")))
+        views.append(("vllm bench serve", [row[0] for row in client["rows"]],
+                      {key: {side: [row[where[f"{name} vattn"] + (side == "vllm")] or 0 for row in client["rows"]]
+                             for side in ("vattn", "vllm")} for key, name in columns.items()}))
+    fig, axes = plt.subplots(len(views), len(panels), figsize=(3.2 * len(panels), 3.2 * len(views)), squeeze=False)
+    for row, (client_name, loads, values) in zip(axes, views):
+        x = range(len(loads))
+        for ax, (key, label, _) in zip(row, panels):
+            for offset, side in ((-0.2, "vattn"), (0.2, "vllm")):
+                ax.bar([i + offset for i in x], values[key][side], width=0.4, label="vattn" if side == "vattn" else "vLLM")
+            ax.set_xticks(list(x), loads, fontsize=7)
+            ax.set_title(f"{label}, {client_name}", fontsize=8)
+    axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -365,7 +429,9 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b", help="a preset: its shape, random weights in both servers")
     parser.add_argument("--vllm-site", default="/tmp/vroot/site")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--rates", type=float, nargs="*", default=[4, 16])
+    parser.add_argument("--rates", type=float, nargs="*", default=[4, 16], help="then Poisson arrivals at these "
+                        "requests/s, --rate-seconds of them each (both clients)")
+    parser.add_argument("--rate-seconds", type=float, default=20)
     parser.add_argument("--rounds", type=int, default=4, help="requests per client at each concurrency, both clients "
                         "(with 2, a level was mostly its first wave and its drain: 1.7-7 s)")
     parser.add_argument("--input", type=int, default=512)
@@ -397,7 +463,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.replot:
         data = json.loads(args.replot.read_text())
-        plot(data["levels"], args.replot.with_suffix(".png"), f"{data['device']}, {data['date'][:10]}")
+        headers, rows = vllm_client_table(data["runs"])  # from the runs: older files' tables have fewer columns
+        plot(data["levels"], args.replot.with_suffix(".png"), f"{data['device']}, {data['date'][:10]}",
+             {"headers": headers, "rows": rows})
         return
     args.work.mkdir(parents=True, exist_ok=True)
     model = write_model_dir(args.model, args.work)
@@ -415,7 +483,8 @@ def main() -> None:
     path = report.write(args.name, headers, rows, data | {"args": {k: str(v) for k, v in vars(args).items()},
                                                           "runs": runs}, args.out)
     if "levels" in data:  # both sides ran
-        plot(data["levels"], path.with_suffix(".png"), f"vattn serve vs vllm serve, {args.model}")
+        plot(data["levels"], path.with_suffix(".png"), f"vattn serve vs vllm serve, {args.model}",
+             data.get("vllm_client_table"))
 
 
 if __name__ == "__main__":

@@ -50,17 +50,57 @@ def test_sides_are_compared_level_by_level_over_their_runs(tmp_path):
     assert (tmp_path / "peer.png").stat().st_size > 10_000
 
 
-def test_vllm_clients_view_is_averaged_per_side_and_a_failed_level_is_left_out():
+def client_table():
+    """``vllm_client_table`` of two runs a side, one of whose levels failed."""
     def run(side, tok_s, failed=False):
-        levels = [{"concurrency": 16, "output_throughput": tok_s, "median_ttft_ms": 20.0, "median_tpot_ms": 7.0},
-                  {"concurrency": 64, "error": 1} if failed else
-                  {"concurrency": 64, "output_throughput": 2 * tok_s, "median_ttft_ms": 40.0, "median_tpot_ms": 9.0}]
+        levels = [{"concurrency": 16, "rate": None, "output_throughput": tok_s, "median_ttft_ms": 20.0,
+                   "median_tpot_ms": 7.0, "request_timeline": {"decoding_mean": 15.0}},
+                  {"concurrency": 64, "rate": None, "error": 1} if failed else
+                  {"concurrency": 64, "rate": None, "output_throughput": 2 * tok_s, "median_ttft_ms": 40.0,
+                   "median_tpot_ms": 9.0},
+                  {"concurrency": None, "rate": 8.0, "output_throughput": tok_s / 2}]
         return {"side": side, "vllm_client": levels}
 
-    headers, rows = peer_serving.vllm_client_table([run("vattn", 900), run("vllm", 1000), run("vllm", 1200),
-                                                    run("vattn", 1100, failed=True)])
-    assert headers[:3] == ["clients", "tok/s vattn", "vLLM"]
-    assert rows == [[16, 1000, 1100, 20.0, 20.0, 7.0, 7.0], [64, 1800, 2200, 40.0, 40.0, 9.0, 9.0]]
+    return peer_serving.vllm_client_table([run("vattn", 900), run("vllm", 1000), run("vllm", 1200),
+                                           run("vattn", 1100, failed=True)])
+
+
+def test_vllm_clients_view_is_averaged_per_side_and_a_failed_level_is_left_out():
+    headers, rows = client_table()
+    assert headers[:6] == ["load", "tok/s vattn", "vLLM", "vattn / vLLM", "TTFT p50 ms vattn", "vLLM"]
+    assert len(headers) == len(rows[0]) == 2 * len(peer_serving.CLIENT_COLUMNS) + 2
+    column = {h: i for i, h in enumerate(headers) if h.endswith("vattn")}
+    assert rows[0][:6] == ["16 clients", 1000, 1100, 1000 / 1100, 20.0, 20.0]
+    assert rows[0][column["decoding vattn"]: column["decoding vattn"] + 2] == [15.0, 15.0]
+    assert rows[0][column["TTFT p99 ms vattn"]] is None  # no run recorded it
+    assert rows[1][:4] == ["64 clients", 1800, 2200, 1800 / 2200]  # the failed run is left out, not counted as 0
+    assert rows[2][:3] == ["8/s", 500, 550]
+
+
+def test_the_figure_draws_vllm_bench_serves_view_below_ours(tmp_path):
+    headers, rows = client_table()
+    ours = [{"load": "16 clients", **{side: {"output_tok_s": 1.0, "ttft_s:p50": 0.1, "ttft_s:p99": 0.2,
+                                             "tpot_s:p50": None} for side in ("vattn", "vllm")}}]
+    peer_serving.plot(ours, tmp_path / "one.png", "test")
+    peer_serving.plot(ours, tmp_path / "two.png", "test", {"headers": headers, "rows": rows})
+    from PIL import Image
+    assert Image.open(tmp_path / "two.png").height == 2 * Image.open(tmp_path / "one.png").height
+
+
+def test_vllm_clients_per_request_records_say_how_many_requests_were_decoding_and_how_long_they_stalled():
+    # Two requests over 1 s: one from 0 (first token at 0.1 s, then 4 gaps of 10 ms and one of 60 ms), one from
+    # 0.5 s (first token at 0.2 s, then 10 ms, two tokens together, 10 ms).
+    result = {"start_times": [0.0, 0.5], "ttfts": [0.1, 0.2],
+              "itls": [[0.01] * 4 + [0.06], [0.01, 0.0001, 0.01]]}
+    timeline = peer_serving.request_timeline(result)
+    assert timeline["median_itl_ms"] == pytest.approx(10)
+    span = 0.5 + 0.2 + 0.0201  # the last request's end
+    assert timeline["in_flight_mean"] == pytest.approx((0.2 + 0.2201) / span)
+    assert timeline["decoding_mean"] == pytest.approx((0.1 + 0.0201) / span)
+    assert timeline["stall_ms_per_request"] == pytest.approx((50 + 0) / 2)
+    assert timeline["bunched_share"] == pytest.approx(1 / 8)
+    assert "decoding_mean" not in peer_serving.request_timeline(result | {"start_times": None})
+    assert peer_serving.request_timeline({"ttfts": [0.1]}) == {}  # a result saved without --save-detailed
 
 
 def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_servers_for_room():
