@@ -74,7 +74,7 @@ class OutputCollector:
         model's chat template instead of ``prompts``; ``cache_salt``: the prefix cache's (see ``EngineCore.prepare``).
         Bad input raises ``ValueError`` before anything is queued.
         Closing the generator early aborts the requests still running (their memory is freed at once)."""
-        prompts = self.token_ids(prompts, chat, tools)
+        prompts = await self.tokenized(prompts, chat, tools)
         ids = [uuid.uuid4().hex for _ in prompts]
         queue: asyncio.Queue = asyncio.Queue()
         for i in ids:
@@ -107,12 +107,21 @@ class OutputCollector:
                 # an abort sent from the request's context is cancelled with it if it has not run yet.
                 contextvars.Context().run(_abort, scheduler, live)
 
+    async def tokenized(self, prompts: list, chat: list[dict] | None = None, tools: list[dict] | None = None) -> list:
+        """``token_ids``, on a thread where there is text: a burst of text prompts (a closed loop's clients all at
+        once) would otherwise hold up the burst's other requests, and every stream's tokens, behind each one's
+        tokenizing on the event loop."""
+        if chat is None and not any(isinstance(p, str) for p in prompts):
+            return prompts
+        return await asyncio.to_thread(self.token_ids, prompts, chat, tools)
+
     def token_ids(self, prompts: list, chat: list[dict] | None = None, tools: list[dict] | None = None) -> list:
         """The prompts as the engine would tokenize them (a chat through the template, which may refuse it with a
         ``ValueError``): text costs the step loop's process nothing then. Token ids as given; the engine checks them."""
         if chat is not None:
             prompts = [self.tokenizer.apply_chat_template(chat, tools)]
-        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        texts = iter(self.tokenizer.encode_batch([p for p in prompts if isinstance(p, str)]))
+        return [next(texts) if isinstance(p, str) else p for p in prompts]
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens``; a ``ValueError`` naming the ids outside the vocabulary."""

@@ -16,7 +16,7 @@ class ServingTokenization(OpenAIServing):
         self.check(request, body.model)
         chat = None if body.messages is None else [m.for_template() for m in body.messages]
         try:
-            ids = self.collector.token_ids([body.prompt], chat)[0]  # what a completion or a chat computes
+            ids = (await self.collector.tokenized([body.prompt], chat))[0]  # what a completion or a chat computes
         except ValueError as exc:  # a chat template that refused the messages
             raise APIError(400, str(exc)) from None
         strs = [self.collector.tokenizer.decode([i]) for i in ids] if body.return_token_strs else None

@@ -20,6 +20,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text, in order; a tokenizer that can lets go of the GIL meanwhile (a server tokenizes
+        on a thread of its own while its event loop serves the other requests)."""
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
@@ -38,6 +42,9 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
@@ -83,6 +90,10 @@ class HFTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        # The library's batch call runs without the GIL (its single ``encode`` holds it throughout)
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,9 +1,11 @@
 """OutputCollector, the ingress's side of its calls, over a real scheduler actor: calls that come together reach it in
-one actor call and each hears its own answer; a call whose caller left while it was on its way is aborted."""
+one actor call and each hears its own answer; a call whose caller left while it was on its way is aborted; text is
+tokenized off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -74,3 +76,39 @@ def test_a_call_whose_caller_left_on_its_way_is_aborted(llm):
         seen += ray.get(llm._engine.actor.wait_outputs.remote(None, 5.0, "ingress-gone"))
     [final] = [o for o in seen if o.finished]
     assert final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) < 100
+
+
+class GatedTokenizer:
+    """The engine's tokenizer, whose batch encodes wait until ``opened`` is set (by a coroutine on the loop)."""
+
+    def __init__(self, inner):
+        self.inner, self.opened = inner, threading.Event()
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        assert self.opened.wait(10), "tokenized on the event loop: nothing else could run meanwhile"
+        return self.inner.encode_batch(texts, add_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_text_is_tokenized_off_the_event_loop_and_gives_what_its_ids_give(llm):
+    collector = direct_collector(llm, "ingress-text")
+    gate = collector.tokenizer = GatedTokenizer(collector.tokenizer)
+
+    async def both():
+        async def text_call():
+            return [p async for batch in collector.generate(["hi there", [5, 6]], FOUR, False) for p in batch]
+
+        async def open_gate():
+            await asyncio.sleep(0.05)  # runs only if the loop is free while the tokenizer waits
+            gate.opened.set()
+
+        text, _ = await asyncio.gather(text_call(), open_gate())
+        return text, await finals(collector, list(b"hi there"))
+
+    # One loop for both calls: a poll the scheduler actor still serves for a closed loop would take the next outputs
+    text, [alone] = asyncio.run(asyncio.wait_for(both(), 60))
+    by_index = {p.index: p.output for p in text}
+    assert list(by_index[0].prompt_token_ids) == list(b"hi there") and list(by_index[1].prompt_token_ids) == [5, 6]
+    assert by_index[0].outputs[0].token_ids == alone.output.outputs[0].token_ids

@@ -102,3 +102,12 @@ def test_a_tokenizer_and_chat_template_of_ones_own_replace_the_models(tmp_path):
         load_tokenizer(directory, chat_template="missing.jinja")
     with pytest.raises(ValueError, match="chat_template needs a model with a tokenizer.json; 'tiny' has the byte"):
         load_tokenizer("tiny", chat_template="{{ messages }}")
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_a_batch_encodes_each_text_as_alone(hf_tokenizer, add_special_tokens):
+    texts = CORPUS[:4] + ["", "x"]
+    for tokenizer in (hf_tokenizer, ByteTokenizer()):
+        assert tokenizer.encode_batch(texts, add_special_tokens) == [tokenizer.encode(t, add_special_tokens)
+                                                                     for t in texts]
+        assert tokenizer.encode_batch([]) == []
