@@ -77,7 +77,8 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *env.get("PYTHONPATH", "").split(os.pathsep)])
     return [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(PORT),
             "--served-model-name", SERVED, "--device", args.device, "--dtype", args.dtype,
-            "--kv-memory", f"{int(args.kv_memory_gib * 1024)}MiB", *shared], env
+            "--kv-memory", f"{int(args.kv_memory_gib * 1024)}MiB", "--ingress-replicas", str(args.ingress_replicas),
+            *shared], env
 
 
 def wait_ready(process: subprocess.Popen, timeout: float) -> float:
@@ -445,6 +446,8 @@ def main() -> None:
     parser.add_argument("--kv-memory-gib", type=float, default=40)
     parser.add_argument("--device", default="cuda", help="vattn's (cpu: a smoke run of the harness, vattn alone)")
     parser.add_argument("--dtype", default="bfloat16", help="vattn's")
+    parser.add_argument("--ingress-replicas", type=int, default=1, help="vattn's HTTP front replicas (a burst's requests "
+                        "and the streams are spread over them)")
     parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
     parser.add_argument("--profile", type=int, nargs="*", default=[], help="after the clients, drive each server "
                         "with `vllm bench serve` at these concurrencies while its processes are sampled (py-spy, CPU "

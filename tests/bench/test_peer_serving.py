@@ -106,7 +106,7 @@ def test_vllm_clients_per_request_records_say_how_many_requests_were_decoding_an
 def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_servers_for_room():
     args = argparse.Namespace(prefixes=32, prefix_len=2048, input=256, output=128, max_num_seqs=256,
                               max_num_batched_tokens=8192, vllm_site="/v", kv_memory_gib=40, device="cuda",
-                              dtype="bfloat16", profile=[], work=Path("/w"))
+                              dtype="bfloat16", profile=[], work=Path("/w"), ingress_replicas=2)
     assert peer_serving.dataset_args(args) == [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "2048", "--prefix-repetition-suffix-len",
         "256", "--prefix-repetition-num-prefixes", "32", "--prefix-repetition-output-len", "128"]
@@ -114,6 +114,9 @@ def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_serv
         command, _ = peer_serving.server_command(side, Path("/m"), args)
         assert command[command.index("--max-model-len") + 1] == str(2048 + 256 + 128 + 64)
         assert "--profiler-config" not in command
+        assert ("--ingress-replicas" in command) == (side == "vattn")  # vattn's HTTP fronts; vLLM has one API server
+    vattn, _ = peer_serving.server_command("vattn", Path("/m"), args)
+    assert vattn[vattn.index("--ingress-replicas") + 1] == "2"
     profiled, _ = peer_serving.server_command("vllm", Path("/m"), argparse.Namespace(**vars(args) | {"profile": [64]}))
     config = json.loads(profiled[profiled.index("--profiler-config") + 1])  # vLLM's torch profiler, idle until asked
     assert config["profiler"] == "torch" and config["torch_profiler_dir"] == "/w/vllm_traces"
