@@ -81,6 +81,8 @@ class AsyncMapper:
         self._unobserved: set[MappingPlan] = set()
         self._cleanup: Cleanup | None = None  # queued and not started: another clean() joins it
         self._clean_error: BaseException | None = None
+        self._nothing_stale = threading.Event()  # what clean() returns with nothing to unmap: done at once
+        self._nothing_stale.set()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvmem-mapper", daemon=True)
         self._thread.start()
@@ -110,10 +112,8 @@ class AsyncMapper:
             raise KVCacheError("AsyncMapper is closed")
         if self._clean_error is not None:
             raise self._clean_error
-        if not self._cache.has_stale:  # a decode step's usual case: no queue put, no thread woken
-            nothing = threading.Event()
-            nothing.set()
-            return nothing
+        if not self._cache.has_stale:  # a decode step's usual case: no queue put, no thread woken, nothing made
+            return self._nothing_stale
         cleanup = self._cleanup
         if cleanup is None:
             cleanup = self._cleanup = Cleanup()

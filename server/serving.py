@@ -5,7 +5,6 @@ pieces of a response -- usage, engine failures, server-sent events, streamed tex
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -144,10 +143,10 @@ class OpenAIServing:
         return StreamingResponse(events, media_type="text/event-stream")
 
     @staticmethod
-    def event(model: p.BaseModel | dict) -> str:
-        # pydantic's own serializer: half the time of model_dump + json.dumps a token, and a non-finite float goes out
-        # as null (json.dumps wrote -Infinity, which is no JSON)
-        data = json.dumps(model) if isinstance(model, dict) else model.model_dump_json()
+    def event(chunk: p.BaseModel | APIError) -> str:
+        """One server-sent event: a chunk (pydantic's own serializer: half the time of model_dump + json.dumps, and a
+        non-finite float goes out as null, not json.dumps's -Infinity, which is no JSON), or an error's OpenAI body."""
+        data = chunk.response().body.decode() if isinstance(chunk, APIError) else chunk.model_dump_json()
         return f"data: {data}\n\n"
 
     async def deltas(self, items: AsyncIterator[Progress], stops: tuple[str, ...]):

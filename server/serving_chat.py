@@ -3,7 +3,6 @@ text or tool calls (``server.tool_calls``) -- out, whole or streamed (vLLM's ``s
 
 from __future__ import annotations
 
-import json
 
 from fastapi import Request
 
@@ -59,7 +58,7 @@ class ServingChat(OpenAIServing):
             p.ChatChunkChoice(index=k, delta=p.Delta(role="assistant", content="")) for k in range(body.n)]))
         async for _, out, c, text, entries in self.deltas(items, body.stops):
             if isinstance(text, APIError):
-                yield self.event(json.loads(text.response().body))
+                yield self.event(text)
                 break
             final = out if out.finished else final
             delta, finish = p.Delta(content=text or None), c.finish_reason

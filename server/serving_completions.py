@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 from fastapi import Request
@@ -56,7 +55,7 @@ class ServingCompletions(OpenAIServing):
         echoed: set[tuple[int, int]] = set()  # completions whose first chunk (with the prompt, for echo) went out
         async for index, out, c, text, entries in self.deltas(items, body.stops):
             if isinstance(text, APIError):
-                yield self.event(json.loads(text.response().body))
+                yield self.event(text)
                 break
             if out.finished:
                 finished[index] = out

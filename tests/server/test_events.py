@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import server.protocol as p
+from server.errors import APIError
 from server.serving import OpenAIServing
 
 
@@ -26,4 +27,5 @@ def test_an_event_is_strict_json_with_text_as_given_and_a_non_finite_logprob_as_
     assert data["choices"][0]["text"] == "naïve\n“q”" and data["choices"][0]["logprobs"]["token_logprobs"] == [None]
     assert data["choices"][0]["logprobs"]["top_logprobs"] == [{"é": -0.5}] and data["usage"] is None
     assert (data["id"], data["object"], data["model"]) == ("cmpl-1", "text_completion", "m")
-    assert strict(OpenAIServing.event({"error": {"message": "m", "code": 503}})) == {"error": {"message": "m", "code": 503}}
+    error = strict(OpenAIServing.event(APIError(503, "engine gone", "service_unavailable")))
+    assert error["error"]["message"] == "engine gone" and error["error"]["code"] == 503
