@@ -186,11 +186,11 @@ def vattn_generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
     _sync()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    tokens = report.generated_tokens(outputs, max_tokens)
     for messages in followups:
         prompts = [p + list(o.outputs[0].token_ids) + m for p, o, m in zip(prompts, outputs, messages, strict=True)]
         outputs = llm.generate(prompts, params)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+        tokens += report.generated_tokens(outputs, max_tokens)
     return time.perf_counter() - start, tokens
 
 
@@ -206,6 +206,8 @@ def vattn_stepwise(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple
     while llm.core.has_work:
         gained = 0
         for o in llm.step():
+            if o.error is not None:
+                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
             n = len(o.outputs[0].token_ids)
             gained += n > lengths.get(o.request_id, 0)
             lengths[o.request_id] = n

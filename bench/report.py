@@ -60,3 +60,19 @@ def write(name: str, headers: list[str], rows: list[list], data: dict, out_dir: 
     path.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def generated_tokens(outputs, max_tokens: int | None = None) -> int:
+    """The tokens ``outputs`` (vattn ``RequestOutput``s) generated, once every request is seen to have run whole:
+    none failed (a worker group rebuilt mid-run ends the requests in flight with an error, and their missing
+    tokens would pass for speed) and, with ``max_tokens``, each completion reached it (EOS ignored)."""
+    failed = [o for o in outputs if o.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; the first: {failed[0].error}")
+    if max_tokens is not None:
+        for o in outputs:
+            for c in o.outputs:
+                if len(c.token_ids) != max_tokens:
+                    raise RuntimeError(f"request {o.request_id} ended after {len(c.token_ids)} of {max_tokens} "
+                                       f"tokens (finish_reason {c.finish_reason!r})")
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs)

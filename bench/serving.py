@@ -34,7 +34,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import report  # noqa: E402
-from worker.tokenizer import load_tokenizer  # noqa: E402
+from worker.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 
 
 @dataclass
@@ -243,10 +243,16 @@ def main() -> None:
     p.add_argument("--name", default="serving")
     p.add_argument("--out", type=Path, default=report.RESULTS)
     args = p.parse_args()
+    tokenizer = load_tokenizer(args.tokenizer or args.model) if args.text else None
+    if isinstance(tokenizer, ByteTokenizer):
+        # Random ids as bytes are mostly no UTF-8: the text sent is replacement characters, of another length, and
+        # ids past 255 vanish (prompts came out empty at --vocab 32000).
+        p.error(f"--text needs a model directory with a tokenizer.json (--tokenizer, or --model with --load-format "
+                f"dummy); {args.tokenizer or args.model!r} has the byte tokenizer")
     url, name = (args.url, args.served_name) if args.url else start_server(args)
     rng = random.Random(args.seed)
     temperature = None if args.temperature < 0 else args.temperature
-    as_sent = (lambda ids: ids) if not args.text else load_tokenizer(args.tokenizer or args.model).decode
+    as_sent = (lambda ids: ids) if tokenizer is None else tokenizer.decode
     levels = []
     asyncio.run(level(url, name, [[rng.randrange(args.vocab) for _ in range(args.input)]] * 4, args.output, 4, args.api_key))  # warm-up
     loads = [(c, None, args.requests or max(16, args.rounds * c)) for c in args.concurrency]

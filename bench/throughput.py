@@ -174,9 +174,10 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
         before = llm.snapshot()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
         after = llm.snapshot()
+    report.generated_tokens(outputs, output)
     worker = after.workers[0]
     decode_steps = after.num_decode_steps - before.num_decode_steps
     decode_s = after.decode_step_seconds - before.decode_step_seconds

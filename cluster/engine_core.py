@@ -506,6 +506,8 @@ class EngineCore:
         """After the worker group failed: fail every request in flight with ``error``, rebuild the group
         and a fresh ledger, and queue again the requests that had not started (``keep_waiting``; not when
         the step itself is in doubt). Returns the failed outputs."""
+        # The operator's only trace of it besides the rebuild counter: the requests' errors go to their clients.
+        logger.error("the worker group failed; rebuilding it", exc_info=error)
         message = f"the worker group failed and was rebuilt; this request was in flight: {error}"
         outputs, self._deferred = self._ended, None  # stays in ``_ended`` until the rebuild is done, for ``fail_all``
         self._in_flight.clear()  # their results die with the workers

@@ -1,8 +1,9 @@
 """bench/serving.py's reading of a server's own latency histograms (vLLM's names, or vattn's prefix on them), from
-an exposition prometheus_client writes."""
+an exposition prometheus_client writes; its refusal of text prompts it cannot write."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,3 +32,13 @@ def test_engine_means_are_the_servers_histograms_over_a_level(prefix):
     assert means["time_to_first_token_seconds"] == pytest.approx(0.4)
     assert means["request_queue_time_seconds"] == pytest.approx(0.1)
     assert means["e2e_request_latency_seconds"] is None  # the server has none: no requests counted
+
+
+def test_text_prompts_need_a_real_tokenizer():
+    # The byte tokenizer of a preset decodes random ids to no text of the asked length (empty prompts at --vocab
+    # 32000): refused before a server starts.
+    done = subprocess.run([sys.executable, str(Path(serving.__file__)), "--model", "llama-3-8b", "--text"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert ("--text needs a model directory with a tokenizer.json (--tokenizer, or --model with --load-format dummy); "
+            "'llama-3-8b' has the byte tokenizer") in done.stderr
