@@ -49,17 +49,19 @@ class CollectorPauses:
             self.pauses.append(time.perf_counter() - self._start)
 
 
-def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool = True) -> dict:
+def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool = True,
+                eager_slots: int | None = None) -> dict:
     """``steps`` scheduler steps of ``clients`` clients (512-token random prompts, 128 tokens out, greedy). A finished
     request is let go of as ``EngineCore`` does (``Request.release``); ``release=False`` leaves it to the cyclic
-    collector, as before 2026-11-28."""
+    collector, as before 2026-11-28. ``eager_slots``: the engine's option (None: its default, or a tree's without it)."""
     from cluster.config import EngineConfig, model_config, plan
     from cluster.scheduler import Scheduler
     from cluster.sequence import Request, Sequence
     from worker.sampling import SamplingParams
 
     config = EngineConfig("llama-3-8b", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=704,
-                          kv_memory=kv_gib << 30, dtype="bfloat16", enable_prefix_caching=True)
+                          kv_memory=kv_gib << 30, dtype="bfloat16", enable_prefix_caching=True,
+                          **({} if eager_slots is None else {"eager_slots": eager_slots}))
     engine_plan = plan(config, model_config("llama-3-8b"), "cuda")
     ledger = engine_plan.new_ledger()
     scheduler = Scheduler(engine_plan.scheduler, ledger)
@@ -123,7 +125,8 @@ def in_tree(tree: Path, args) -> list[dict]:
     """This script's own runs with ``tree``'s code, in a process of their own."""
     env = report.tree_env(tree)
     done = subprocess.run([sys.executable, __file__, "--json", "--clients", *map(str, args.clients), "--steps",
-                           str(args.steps), "--kv-gib", str(args.kv_gib), "--seed", str(args.seed)],
+                           str(args.steps), "--kv-gib", str(args.kv_gib), "--seed", str(args.seed),
+                           *(["--eager-slots", str(args.eager_slots)] if args.eager_slots is not None else [])],
                           env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -153,11 +156,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the runs as JSON (what --a/--b read)")
     parser.add_argument("--release-ab", action="store_true", help="this tree, finished requests left to the cyclic "
                         "collector (A) and let go of (B, as the engine does), ABBA in this process")
+    parser.add_argument("--eager-slots", type=int, help="EngineConfig.eager_slots of the runs (default: the engine's)")
     parser.add_argument("--name", default="scheduler_serving")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     args = parser.parse_args()
     if args.json:
-        print(json.dumps([closed_loop(c, args.steps, args.kv_gib, args.seed) for c in args.clients]))
+        print(json.dumps([closed_loop(c, args.steps, args.kv_gib, args.seed, eager_slots=args.eager_slots)
+                          for c in args.clients]))
         return
     if args.release_ab:
         release_ab(args)

@@ -73,6 +73,9 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement-strategy", choices=STRATEGIES, default="STRICT_PACK")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV of prompt prefixes earlier requests computed (vLLM's flag; default on)")
+    parser.add_argument("--eager-slots", type=int, default=64,
+                        help="free slots kept holding pages for the next new requests, so that their prompts map "
+                             "nothing in their step (virtual layouts; 0: off)")
     parser.add_argument("--deterministic", action="store_true",
                         help="the same request gives the same tokens whatever else is in the batch (batch-invariant "
                              "kernels, slower: docs/deterministic.md)")
@@ -98,7 +101,7 @@ def engine_config(args: argparse.Namespace, device: str) -> dict:
                 max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy,
                 enable_prefix_caching=args.enable_prefix_caching, cuda_graphs=False if args.enforce_eager else None,
-                deterministic=args.deterministic)
+                deterministic=args.deterministic, eager_slots=args.eager_slots)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -53,6 +53,10 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     page_size: int = 2 << 20
     map_ahead: bool = True  # map the next step's pages while this one runs (False: in the step; for measurement)
+    # Free slots the mapper keeps holding pages for the next new requests, one more filled each step, so that a new
+    # prompt is written where pages are mapped already (virtual layouts, with map_ahead); 0: each new request maps
+    # its prompt's pages in its step's launch.
+    eager_slots: int = 64
     deferred_reclamation: bool = True  # freed slots keep their pages mapped for the next request (virtual layouts)
     enable_prefix_caching: bool = True  # full blocks of finished and running requests' tokens are reused (vLLM's name)
     # A read-only zero page over unmapped KV space (virtual layouts): a stray read sees zeros, not a fault that loses
@@ -313,7 +317,7 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                          f"{pp}, got {micro!r}")
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
                                 max_model_len, config.map_ahead, micro_batches=(micro or pp) if ahead else 1,
-                                token_ring=ring)
+                                token_ring=ring, eager_slots=config.eager_slots)
     overlap = ahead and pp == 1  # one stage: the next step continues the same sequences, on placeholders
     if config.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")
@@ -352,6 +356,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     for name in ("map_ahead", "deferred_reclamation", "enable_prefix_caching", "zero_unmapped", "disable_custom_all_reduce"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
+    if isinstance(config.eager_slots, bool) or not isinstance(config.eager_slots, int) or config.eager_slots < 0:
+        raise ValueError(f"eager_slots must be an int >= 0 (0: off), got {config.eager_slots!r}")
     rows = config.tp_overlap_rows
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"tp_overlap_rows must be an int >= 0 (0: off), got {rows!r}")

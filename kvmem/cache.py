@@ -164,23 +164,6 @@ class VirtualKVCache(SlotCache):
             self._unmap_stale(done_only=False)  # a free page may still be mapped where queued work reads it
             return self._pool.shrink(nbytes // self.spec.page_size) * self.spec.page_size
 
-    def eager_map(self, tokens: int, slots: int = 1) -> int:
-        """Map pages for ``tokens`` tokens into up to ``slots`` free slots ahead of their requests.
-
-        Best effort: uses only free pool pages, never evicts. Returns the page groups mapped.
-        """
-        self._check_tokens(tokens, "tokens")
-        with self._lock:
-            need = self.spec.pages_for(tokens)
-            free = sorted((i for i, s in enumerate(self._slots) if not s.in_use), key=lambda i: -len(self._slots[i].pages))
-            mapped = 0
-            for slot in free[:slots]:
-                n = min(need - len(self._slots[slot].pages), self._free_pages())
-                if n > 0:
-                    self._link_run(slot, self._take(n))
-                    mapped += n
-            return mapped
-
     # -- SlotCache hooks -----------------------------------------------------------------------
     def _take(self, n: int) -> list[Group]:
         nb = self.units_per_page

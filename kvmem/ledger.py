@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvmem.errors import KVCacheExhausted
+from kvmem.mapper import MappingPlan
 from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, KeepPage, KVOp, MapKept, SharePrefix
 from kvmem.prefix import BlockHash, PrefixIndex
 from kvmem.slots import Fence, NumberedSlotCache, SlotState
 from kvmem.spec import KVCacheSpec
+
+
+# Pages ``eager_ahead`` has the workers' mappers map a step at most: ~4 ms of driver calls on the H100 (61 us a page),
+# inside a decode step's time.
+EAGER_PAGES = 64
+# The share of the pool (one part in this many) prepared free slots may hold: pages taken from the prefix cache.
+EAGER_SHARE = 8
 
 
 class PageLedger(NumberedSlotCache):
@@ -32,10 +42,16 @@ class PageLedger(NumberedSlotCache):
         self.keeps_pages_on_free = keeps_pages_on_free
         self.prefixes = PrefixIndex() if caches_prefixes else None
         self._ops: list[KVOp] = []
+        self._eager = False  # free slots are prepared for new requests (``eager_ahead``)
+        self._allocs = 0
+        # The slots' and the pool's state when ``eager_ahead`` last found nothing to do: while it holds, neither will
+        # the next call (a walk of every free slot's pages, most steps of a serving loop).
+        self._eager_idle: tuple[int, ...] | None = None
 
     # -- recorded changes ----------------------------------------------------------------------
     def alloc_slot(self, expected_tokens: int = 0, slot: int | None = None) -> int:
         slot = super().alloc_slot(expected_tokens, slot)
+        self._allocs += 1
         self._ops.append(AllocSlot(slot, expected_tokens))
         return slot
 
@@ -81,6 +97,57 @@ class PageLedger(NumberedSlotCache):
             return self._ensure(slot, num_tokens, copy_shared=False)
         except KVCacheExhausted:
             return False
+
+    def eager_ahead(self, tokens: int, slots: int) -> MappingPlan | None:
+        """Prepare free slots for ``tokens``-token requests to come (``SlotCache.eager_map``: up to ``slots`` free slots
+        holding pages of their own), unrecorded, a slot's worth of pages a call (``EAGER_PAGES`` at most); returns the
+        plan that has every worker's mapper do the same after the step's ensures (None: nothing to do).
+
+        The pages come from the pool, and where it is short from the least recently used cached pages that no slot
+        holds, dropped in the same call on the workers (in no slot: dropping one unmaps nothing). Pages the slots in
+        use will still grow into, a page each, stay in the pool, and the prepared slots hold an ``EAGER_SHARE``-th of
+        the pool at most."""
+        need = self.spec.pages_for(tokens)
+        with self._lock:
+            self._eager = True
+            state = (tokens, slots, self._releases, self._allocs, self._free_pages(), len(self._kept))
+            if state == self._eager_idle:
+                return None
+            plan = self._eager_plan(tokens, slots, need)
+            self._eager_idle = None if plan is not None else state
+            return plan
+
+    def _eager_plan(self, tokens: int, slots: int, need: int) -> MappingPlan | None:
+        order = self._eager_order(need)[:slots]
+        missing = next((need - own for _, own in order if own < need), 0)
+        if not missing:
+            return None
+        prepared = sum(min(own, need) for _, own in order)
+        budget = min(missing, EAGER_PAGES, self._total_pages() // EAGER_SHARE - prepared)
+        reserve = sum(1 for s in self._slots if s.in_use and self.spec.pages_for(s.expected) > len(s.pages))
+        drop = self._unheld(budget + reserve - self._free_pages())
+        budget = min(budget, self._free_pages() + len(drop) - reserve)
+        if budget <= 0:
+            return None
+        mapped = self.eager_map(tokens, slots, budget, drop)
+        if drop:
+            self.prefixes.remove(drop)
+        return MappingPlan({}, tokens, slots, budget, drop) if mapped or drop else None
+
+    def _unheld(self, most: int) -> tuple[int, ...]:
+        """Keys of up to ``most`` cached pages that no slot holds, least recently used first (a bounded look)."""
+        drop = []
+        if most > 0 and self.prefixes is not None:
+            for key in itertools.islice(self.prefixes.eviction_order(), 4 * most + 64):
+                if self._refs[self._kept[key]] == 1:
+                    drop.append(key)
+                    if len(drop) == most:
+                        break
+        return tuple(drop)
+
+    def _drop_unheld(self, most: int) -> None:
+        if keys := self._unheld(most):
+            self._evict(keys)
 
     def share_prefix(self, src: int, dst: int, tokens: int) -> None:
         super().share_prefix(src, dst, tokens)
@@ -147,6 +214,12 @@ class PageLedger(NumberedSlotCache):
         (Dropping a page the slot itself holds past its tokens -- a reused slot's old prefix -- spares the copy
         a write into it would have made.)"""
         need = self.spec.pages_for(num_tokens)
+        if self._eager:
+            # Free slots prepared for new requests hold pages alone, and reclaiming them would undo that: first the
+            # cached pages nothing else holds (in no slot: dropping one unmaps nothing), least recently used first.
+            demand = max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
+            if demand > self._free_pages():
+                self._drop_unheld(max(demand - self._free_pages(), self.eviction_batch()))
         while True:
             # Pages the pool must give: new ones, and a copy of each shared page the writes land in (a scan of the
             # write range only: a decode step's is one page).

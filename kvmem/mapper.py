@@ -15,12 +15,14 @@ from kvmem.slots import SlotCache
 
 @dataclass(eq=False)
 class MappingPlan:
-    """What the next step needs: slot -> tokens it must hold (each an ``ensure``), plus optional
-    eager mapping of ``eager_tokens`` into ``eager_slots`` free slots for requests about to arrive."""
+    """What the next step needs: slot -> tokens it must hold (each an ``ensure``), then optionally free slots given
+    pages for requests about to arrive: ``SlotCache.eager_map(eager_tokens, eager_slots, eager_pages, eager_drop)``."""
 
     needs: dict[int, int]
     eager_tokens: int = 0
     eager_slots: int = 0
+    eager_pages: int | None = None
+    eager_drop: tuple[int, ...] = ()
     _items: list[tuple[int, int]] = field(init=False, repr=False)
     _total: int = field(init=False, repr=False)  # the ensures, and the eager mapping if any
     _next: int = field(default=0, init=False, repr=False)  # items started
@@ -51,7 +53,7 @@ class MappingPlan:
                 if index < len(self._items):
                     cache.ensure(*self._items[index])
                 else:
-                    cache.eager_map(self.eager_tokens, self.eager_slots)  # type: ignore[attr-defined]
+                    cache.eager_map(self.eager_tokens, self.eager_slots, self.eager_pages, self.eager_drop)
             except BaseException as exc:  # surfaces in wait(); never lost in the thread
                 self._errors.append(exc)
             if self._next == self._total:
@@ -124,8 +126,6 @@ class AsyncMapper:
         """Queue ``plan`` for the mapper thread; returns it for ``wait``."""
         if self._closed:
             raise KVCacheError("AsyncMapper is closed")
-        if plan.eager_slots and not hasattr(self._cache, "eager_map"):
-            raise ValueError(f"{type(self._cache).__name__} has no eager mapping; eager_slots must be 0")
         self._unobserved = {p for p in self._unobserved if not p.done or p._errors}
         self._unobserved.add(plan)
         self._queue.put(plan)

@@ -236,6 +236,41 @@ class SlotCache(ABC):
             if not self.keeps_pages_on_free:
                 self._drop_tail(slot, 0)
 
+    def eager_map(self, tokens: int, slots: int = 1, pages: int | None = None, drop: tuple[int, ...] = ()) -> int:
+        """Give up to ``slots`` free slots pages of their own for ``tokens`` tokens ahead of their requests, from the
+        pool's free pages only (never evicting or reclaiming), at most ``pages`` in this call (None: no limit);
+        returns the pages mapped. ``drop``: held pages to let go of first (``drop_kept``), as a ledger chose them.
+
+        A request given such a slot (``alloc_slot``'s best fit) writes its prompt where the pages are mapped: no map
+        in its step's launch. The free slots go in a fixed order (those holding the most pages of their own first,
+        then the one freed longest ago), so every worker replaying the call prepares the slots its ledger did. A
+        slot whose pages are held by others too (a finished request's, in the prefix cache) lets go of them from the
+        first such page (they stay cached)."""
+        self._check_tokens(tokens, "tokens")
+        need = self.spec.pages_for(tokens)
+        with self._lock:
+            if drop:
+                self.drop_kept(drop)
+            left = self._free_pages() if pages is None else min(pages, self._free_pages())
+            mapped = 0
+            for slot, own in self._eager_order(need)[:slots]:
+                if left <= 0:
+                    break
+                if own >= need:
+                    continue
+                if own < len(self._slots[slot].pages):
+                    self._drop_tail(slot, own)
+                n = min(need - own, left)
+                self._link_run(slot, self._take(n))
+                mapped, left = mapped + n, left - n
+            return mapped
+
+    def _eager_order(self, need: int) -> list[tuple[int, int]]:
+        """Free slots and the pages each holds alone from its first, in the order ``eager_map`` prepares them."""
+        free = [(i, self._own_pages(s)) for i, s in enumerate(self._slots) if not s.in_use]
+        free.sort(key=lambda e: (-min(e[1], need), self._released[e[0]], e[0]))
+        return free
+
     def num_tokens(self, slot: int) -> int:
         """Tokens ``slot`` holds (what ``ensure`` last backed)."""
         with self._lock:

@@ -41,6 +41,7 @@ class ServeArgs(BaseModel):
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name)
     deterministic: bool = False  # batch-invariant kernels: a request's tokens do not depend on the batch
+    eager_slots: int = Field(64, ge=0)  # free slots kept holding pages for new requests' prompts (0: off)
     num_replicas: int = Field(1, ge=1)
     ingress_replicas: int = Field(1, ge=1)  # HTTP front replicas: each takes a CPU, and SSE chunks cost CPU
     api_key: str | list[str] | None = None
@@ -84,7 +85,7 @@ class ServeArgs(BaseModel):
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             distributed="ray", placement_strategy=self.placement_strategy, enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=False if self.enforce_eager else None, seed=self.seed, tokenizer=self.tokenizer,
-            chat_template=self.chat_template, deterministic=self.deterministic,
+            chat_template=self.chat_template, deterministic=self.deterministic, eager_slots=self.eager_slots,
         )
 
     def settings(self) -> ServerSettings:

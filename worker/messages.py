@@ -57,6 +57,9 @@ class StepInput:
     # The late masks of the step in flight, where they travel with the next call (a Ray worker that launches
     # ahead): drawn before this step is launched, as this step reads the tokens drawn.
     prior_masks: dict[int, bytes | None] | None = None
+    # ``SlotCache.eager_map``'s arguments (tokens, slots, pages, drop), run after ``ahead``: free slots given pages
+    # for the requests to come (``PageLedger.eager_ahead``); empty: none.
+    eager: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)

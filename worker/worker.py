@@ -280,7 +280,7 @@ class Worker:
                                       f"rank {c.tp_rank} stops with it")
         if not step.seq_ids:
             return PendingOutput(step.step, None, None)
-        ahead = self.mapper.submit(MappingPlan(step.ahead))
+        ahead = self.mapper.submit(MappingPlan(step.ahead, *step.eager))
         try:
             with self.profiler.phase("queue"):
                 launched = self.runner.launch(plan, inputs)

@@ -29,23 +29,26 @@ def run(llm: LLM, prompt, params: SamplingParams):
     return llm.generate(prompt, params)[0]
 
 
-def test_parallel_samples_share_the_prompt_pages(llm):
-    prompt = list(range(3, 3 + 100))  # ~6 pages in the tiny model's mega layout
-    params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=7, ignore_eos=True)
-    request_id = llm.add_request(prompt, params)
-    per_prompt = llm.cache.spec.physical_bytes_for(len(prompt))
-    while len(llm.core._requests[request_id].seqs) < 4:
-        llm.step()
-    mapped = llm.cache.stats().mapped_bytes
-    assert mapped < 4 * per_prompt  # one prompt copy plus the pages the samples wrote into
-    assert mapped < 2 * per_prompt
-    final = None
-    while final is None:
-        final = next((o for o in llm.step() if o.finished), None)
-    samples = [c.token_ids for c in final.outputs]
-    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
-    assert all(len(s) == 6 for s in samples)
-    assert len(set(samples)) > 1  # different streams
+def test_parallel_samples_share_the_prompt_pages():
+    # No free slot prepared for later requests (eager_slots): what is mapped is this request's alone.
+    with LLM("tiny", kv_memory=16 << 20, max_num_seqs=8, max_model_len=256, page_size=4096, device="cpu",
+             eager_slots=0) as llm:
+        prompt = list(range(3, 3 + 100))  # ~6 pages in the tiny model's mega layout
+        params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=7, ignore_eos=True)
+        request_id = llm.add_request(prompt, params)
+        per_prompt = llm.cache.spec.physical_bytes_for(len(prompt))
+        while len(llm.core._requests[request_id].seqs) < 4:
+            llm.step()
+        mapped = llm.cache.stats().mapped_bytes
+        assert mapped < 4 * per_prompt  # one prompt copy plus the pages the samples wrote into
+        assert mapped < 2 * per_prompt
+        final = None
+        while final is None:
+            final = next((o for o in llm.step() if o.finished), None)
+        samples = [c.token_ids for c in final.outputs]
+        assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+        assert all(len(s) == 6 for s in samples)
+        assert len(set(samples)) > 1  # different streams
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):

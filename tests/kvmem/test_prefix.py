@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvmem import KVCacheError, KVCacheExhausted, VirtualKVCache
+from kvmem import AsyncMapper, KVCacheError, KVCacheExhausted, VirtualKVCache
 from kvmem.ledger import PageLedger
 from kvmem.ops import DropKept, Ensure, KeepPage, MapKept, apply_ops
 from kvmem.prefix import PrefixIndex, extend_page_hashes
@@ -322,3 +322,52 @@ def test_a_reset_drops_every_held_page_and_the_pool_comes_back():
     assert cache.accounting() == ledger.accounting() and cache.kept_pages() == 0
     cache.reclaim(10**6)
     assert cache.stats().mapped_bytes == 0
+
+
+def test_free_slots_prepared_behind_a_full_prefix_cache_take_the_next_prompt_with_no_map_and_the_workers_follow():
+    """Serving behind a full prefix cache: a new request was given a slot of cached pages, let go of them and mapped
+    fresh ones in its step. ``eager_ahead`` prepares free slots instead, from cached pages no slot holds (dropped on
+    the workers with the plan), their mapper replaying it after the step's ensures; the next request is then given a
+    prepared slot and its ensure maps nothing."""
+    spec = KVCacheSpec(2, 2, 16, torch.float32, max_slots=64, max_tokens=256, layout="mega", page_size=4096)
+    ledger = PageLedger(spec, 1028, keeps_pages_on_free=True, caches_prefixes=True)
+    cache = VirtualKVCache(spec, 1028 * spec.num_buffers * spec.page_size)
+    for r in range(64):  # every slot's 16 pages cached, 4 free
+        _run(ledger, 256, [f"{r}.{p}".encode() for p in range(16)])
+    slot = ledger.alloc_slot(64)  # the slot freed longest ago: the first request's
+    ledger.ensure(slot, 64)  # lets go of its cached pages (they stay cached, in no slot) and maps the pool's four
+    apply_ops(cache, ledger.take_ops())
+    assert ledger.free_pages() == 0 and cache.accounting() == ledger.accounting()
+
+    plan = ledger.eager_ahead(64, slots=2)
+    # Four pages for the slot freed longest ago now (a slot's worth a call): the four least recently used cached pages
+    # that no slot holds, the first request's last ones, dropped by the plan.
+    assert (plan.needs, plan.eager_tokens, plan.eager_slots, plan.eager_pages) == ({}, 64, 2, 4)
+    assert plan.eager_drop == (15, 14, 13, 12)
+    assert not ledger.take_ops()  # the plan carries it all
+    with AsyncMapper(cache) as mapper:
+        mapper.wait(mapper.submit(plan))
+    assert cache.accounting() == ledger.accounting()
+
+    maps = ledger.counters()[0], cache.counters()[0]
+    new = ledger.alloc_slot(64)
+    ledger.ensure(new, 64)
+    assert ledger._slots[new].pages and ledger.counters()[0] == maps[0]  # a prepared slot: nothing mapped
+    apply_ops(cache, ledger.take_ops())
+    assert cache.counters()[0] == maps[1] and cache.accounting() == ledger.accounting()
+    check_invariants(cache)
+    cache.close()
+
+
+def test_preparing_free_slots_keeps_a_page_for_each_growing_slot_and_an_eighth_of_the_pool_at_most():
+    ledger = PageLedger(SPEC, 64, keeps_pages_on_free=True, caches_prefixes=True)
+    growing = [ledger.alloc_slot(64) for _ in range(2)]
+    for slot in growing:
+        ledger.ensure(slot, 16)  # one page each of the four they expect
+    plan = ledger.eager_ahead(256, slots=2)  # 16 pages a slot, the pool's eighth is 8
+    assert plan.eager_pages == 8 and ledger.free_pages() == 64 - 2 - 8
+    assert ledger.eager_ahead(256, slots=2) is None  # the eighth is held
+    full = PageLedger(SPEC, 10, keeps_pages_on_free=True, caches_prefixes=True)
+    for _ in range(2):
+        full.ensure(full.alloc_slot(256), 64)  # 8 pages in use, 2 free: both kept for the slots' growth
+    assert full.eager_ahead(16, slots=1) is None
