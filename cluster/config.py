@@ -53,7 +53,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     page_size: int = 2 << 20
     map_ahead: bool = True  # map the next step's pages while this one runs (False: in the step; for measurement)
-    # Free slots the mapper keeps holding pages for the next new requests, one more filled each step, so that a new
+    # Free slots the mapper keeps holding pages for the next new requests, filled beside the steps, so that a new
     # prompt is written where pages are mapped already (virtual layouts, with map_ahead); 0: each new request maps
     # its prompt's pages in its step's launch.
     eager_slots: int = 64

@@ -50,8 +50,8 @@ class SchedulerConfig:
     # (``pipeline_handoff="ring"``), so a sequence whose token is in flight takes a step again this many steps after
     # its last, on a placeholder: by then the last stage has drawn it, and the first stage receives it.
     token_ring: int = 0
-    # Free slots the mapper keeps holding pages of their own for the next new requests (one more filled a step),
-    # so that their prompts are written where pages are mapped already; 0: off. Virtual layouts only.
+    # Free slots the mapper keeps holding pages of their own for the next new requests (``PageLedger.eager_ahead``
+    # says how many pages a step), so that their prompts are written where pages are mapped already; 0: off.
     eager_slots: int = 0
 
     def __post_init__(self) -> None:
@@ -300,9 +300,10 @@ class Scheduler:
         shared is left out too: its copy-on-write must not race this step's writes; so is a sequence this
         step ends by length.
 
-        With ``eager_slots``, then free slots are given pages for the next new requests (``PageLedger.eager_ahead``):
-        serving, where requests keep arriving, each new one mapped its prompt's pages in its step's launch. (Offline,
-        all requests at once: no gain in wall time on the H100 at 128 requests, +30% mapped memory.)"""
+        With ``eager_slots``, free slots are then given pages for the next new requests (``PageLedger.eager_ahead``),
+        which would else map their prompts' pages in their steps' launches: serving, where requests keep arriving.
+        (Offline, all requests at once, it was measured as no gain in wall time on the H100 at 128 requests, with 30%
+        more memory mapped.)"""
         if not self.config.map_ahead:
             return MappingPlan({})
         limit = self.kv.spec.max_tokens
