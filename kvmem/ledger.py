@@ -14,9 +14,10 @@ from kvmem.slots import Fence, NumberedSlotCache, SlotState
 from kvmem.spec import KVCacheSpec
 
 
-# Pages ``eager_ahead`` has the workers' mappers map a step at most: ~4 ms of driver calls on the H100 (61 us a page),
-# inside a decode step's time.
-EAGER_PAGES = 64
+# Pages ``eager_ahead`` has the workers' mappers map a step at most. The next step's launch waits for them (its
+# operations come after them in the ledger's order), so they must fit beside a step: 1-6 ms at the 61-373 us a page
+# measured on the H100 and H200 (``map_latency_p50_us`` in bench/results), against ~7 ms a decode step at 64 clients.
+EAGER_PAGES = 16
 # The share of the pool (one part in this many) prepared free slots may hold: pages taken from the prefix cache.
 EAGER_SHARE = 8
 
