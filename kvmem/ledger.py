@@ -45,8 +45,8 @@ class PageLedger(NumberedSlotCache):
         self._ops: list[KVOp] = []
         self._eager = False  # free slots are prepared for new requests (``eager_ahead``)
         self._allocs = 0
-        # The slots' and the pool's state when ``eager_ahead`` last found nothing to do: while it holds, neither will
-        # the next call (a walk of every free slot's pages, most steps of a serving loop).
+        # The state in which ``eager_ahead`` last found nothing to do: while it holds, neither will the next call (a
+        # walk of every free slot's pages, most steps of a serving loop).
         self._eager_idle: tuple[int, ...] | None = None
 
     # -- recorded changes ----------------------------------------------------------------------
@@ -105,35 +105,34 @@ class PageLedger(NumberedSlotCache):
         plan that has every worker's mapper do the same after the step's ensures (None: nothing to do).
 
         The pages come from the pool, and where it is short from the least recently used cached pages that no slot
-        holds, dropped in the same call on the workers (in no slot: dropping one unmaps nothing). Pages the slots in
-        use will still grow into, a page each, stay in the pool, and the prepared slots hold an ``EAGER_SHARE``-th of
-        the pool at most."""
+        holds, dropped in the same call on the workers (in no slot: dropping one unmaps nothing). A page for each slot in
+        use stays in the pool (the next page it grows into), and the prepared slots hold an ``EAGER_SHARE``-th of the
+        pool at most."""
         need = self.spec.pages_for(tokens)
         with self._lock:
             self._eager = True
-            state = (tokens, slots, self._releases, self._allocs, self._free_pages(), len(self._kept))
-            if state == self._eager_idle:
+            slots_state = (tokens, slots, self._releases, self._allocs)
+            if self._eager_idle in (slots_state, (*slots_state, self._free_pages(), len(self._kept))):
                 return None
-            plan = self._eager_plan(tokens, slots, need)
-            self._eager_idle = None if plan is not None else state
-            return plan
-
-    def _eager_plan(self, tokens: int, slots: int, need: int) -> MappingPlan | None:
-        order = self._eager_order(need)[:slots]
-        missing = next((need - own for _, own in order if own < need), 0)
-        if not missing:
-            return None
-        prepared = sum(min(own, need) for _, own in order)
-        budget = min(missing, EAGER_PAGES, self._total_pages() // EAGER_SHARE - prepared)
-        reserve = sum(1 for s in self._slots if s.in_use and self.spec.pages_for(s.expected) > len(s.pages))
-        drop = self._unheld(budget + reserve - self._free_pages())
-        budget = min(budget, self._free_pages() + len(drop) - reserve)
-        if budget <= 0:
-            return None
-        mapped = self.eager_map(tokens, slots, budget, drop)
-        if drop:
-            self.prefixes.remove(drop)
-        return MappingPlan({}, tokens, slots, budget, drop) if mapped or drop else None
+            order = self._eager_order(need)[:slots]
+            missing = next((need - own for _, own in order if own < need), 0)
+            if not missing:
+                self._eager_idle = slots_state  # all prepared: until a slot is taken or freed
+                return None
+            prepared = sum(own for _, own in order)
+            budget = min(missing, EAGER_PAGES, self._total_pages() // EAGER_SHARE - prepared)
+            reserve = sum(1 for s in self._slots if s.in_use)  # a page for each slot in use to grow into
+            drop = self._unheld(budget + reserve - self._free_pages())
+            budget = min(budget, self._free_pages() + len(drop) - reserve)
+            if budget <= 0:
+                self._eager_idle = (*slots_state, self._free_pages(), len(self._kept))  # until pages come free
+                return None
+            self._eager_idle = None
+            if drop:  # pages in no slot: the order stays
+                self.drop_kept(drop)
+                self.prefixes.remove(drop)
+            mapped = self._eager_fill(order, need, budget)
+            return MappingPlan({}, tokens, slots, budget, drop) if mapped or drop else None
 
     def _unheld(self, most: int) -> tuple[int, ...]:
         """Keys of up to ``most`` cached pages that no slot holds, least recently used first (a bounded look)."""

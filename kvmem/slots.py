@@ -204,13 +204,14 @@ class SlotCache(ABC):
             return min(fits, key=lambda i: (len(self._slots[i].pages), self._released[i]))
         return max(free, key=lambda i: (own[i], own[i] - len(self._slots[i].pages), -self._released[i]))
 
-    def _own_pages(self, state: SlotState) -> int:
-        """How many of the slot's first pages it alone holds."""
+    def _own_pages(self, state: SlotState, most: int | None = None) -> int:
+        """How many of the slot's first pages (of its first ``most``) it alone holds."""
+        pages = state.pages if most is None else state.pages[:most]
         if not self._num_shared:
-            return len(state.pages)
-        n = 0
-        for page in state.pages:
-            if self._refs[page] != 1:
+            return len(pages)
+        refs, n = self._refs, 0
+        for page in pages:
+            if refs[page] != 1:
                 break
             n += 1
         return n
@@ -251,24 +252,30 @@ class SlotCache(ABC):
         with self._lock:
             if drop:
                 self.drop_kept(drop)
-            left = self._free_pages() if pages is None else min(pages, self._free_pages())
-            mapped = 0
-            for slot, own in self._eager_order(need)[:slots]:
-                if left <= 0:
-                    break
-                if own >= need:
-                    continue
-                if own < len(self._slots[slot].pages):
-                    self._drop_tail(slot, own)
-                n = min(need - own, left)
-                self._link_run(slot, self._take(n))
-                mapped, left = mapped + n, left - n
-            return mapped
+            return self._eager_fill(self._eager_order(need)[:slots], need, pages)
+
+    def _eager_fill(self, order: list[tuple[int, int]], need: int, pages: int | None) -> int:
+        """``eager_map``'s filling of the free slots ``order`` gives (slot, pages it holds alone)."""
+        left = self._free_pages() if pages is None else min(pages, self._free_pages())
+        mapped = 0
+        for slot, own in order:
+            if left <= 0:
+                break
+            if own >= need:
+                continue
+            if own < len(self._slots[slot].pages):
+                self._drop_tail(slot, own)
+            n = min(need - own, left)
+            self._link_run(slot, self._take(n))
+            mapped, left = mapped + n, left - n
+        return mapped
 
     def _eager_order(self, need: int) -> list[tuple[int, int]]:
-        """Free slots and the pages each holds alone from its first, in the order ``eager_map`` prepares them."""
-        free = [(i, self._own_pages(s)) for i, s in enumerate(self._slots) if not s.in_use]
-        free.sort(key=lambda e: (-min(e[1], need), self._released[e[0]], e[0]))
+        """Free slots and the pages each holds alone from its first (``need`` at most), in the order ``eager_map``
+        prepares them."""
+        free = [(i, self._own_pages(s, need)) for i, s in enumerate(self._slots) if not s.in_use]
+        released = self._released
+        free.sort(key=lambda e: (-e[1], released[e[0]], e[0]))
         return free
 
     def num_tokens(self, slot: int) -> int:
