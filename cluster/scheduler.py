@@ -61,8 +61,10 @@ class SchedulerConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.token_ring, bool) or not isinstance(self.token_ring, int) or self.token_ring < 0:
-            raise ValueError(f"token_ring must be an int >= 0 (0: off), got {self.token_ring!r}")
+        for name in ("token_ring", "eager_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"swap_space must be an int >= 0 bytes, got {self.swap_space_bytes!r}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -107,7 +109,7 @@ class Scheduler:
         self._fresh: set[int] = set()  # pages cached in this schedule(), their K/V computed in the step it makes
         self.rounds = 0  # steps with a batch scheduled so far
         self._next_seq_id = 0
-        self._eager_tokens = 0  # the tokens the latest new request may reach: what free slots are prepared for
+        self._eager_tokens = 0  # the latest new request's prompt tokens: what free slots are prepared for
 
     # -- intake --------------------------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -225,7 +227,9 @@ class Scheduler:
                     seq.num_computed = seq.num_cached_pages = 0
                 break
             if seq.status is SeqStatus.WAITING and not seq.num_generated:
-                self._eager_tokens = self._full_length(seq)
+                # The next prompts' pages, not their growth: pages a request holds up to its expectation are no
+                # one else's, and growth is mapped ahead as it comes.
+                self._eager_tokens = seq.num_tokens
             if self.kv.prefixes is not None and seq.status is SeqStatus.WAITING:
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += seq.num_computed
@@ -308,16 +312,15 @@ class Scheduler:
             return MappingPlan({})
         limit = self.kv.spec.max_tokens
         budget = self.config.max_num_batched_tokens
-        needs = {}
+        targets = {}
         for s in out.scheduled:
             if self.ends_in_flight(s.seq):
                 continue
             done = s.start + s.num_tokens
             step = 1 if s.num_samples else min(s.seq.num_tokens - done, budget)
             budget -= step
-            target = min(done + step, limit)
-            if self.kv.ensure_ahead(s.seq.slot, target):  # else the next step's recorded ensure does it
-                needs[s.seq.slot] = target
+            targets[s.seq.slot] = min(done + step, limit)
+        needs = self.kv.ensure_ahead(targets)  # those left out, the next step's recorded ensure backs
         if self.config.eager_slots and self._eager_tokens and self.kv.keeps_pages_on_free:
             eager = self.kv.eager_ahead(self._eager_tokens, self.config.eager_slots)
             if eager is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -15,10 +16,11 @@ from kvmem.spec import KVCacheSpec
 
 
 # Pages ``eager_ahead`` has the workers' mappers map a step at most. The next step's launch waits for them (its
-# operations come after them in the ledger's order), so they must fit beside a step: 1-6 ms at the 61-373 us a page
-# measured on the H100 and H200 (``map_latency_p50_us`` in bench/results), against ~7 ms a decode step at 64 clients.
+# operations come after them in the ledger's order), so they must take well under a step: ~1.1 ms at the 68 us a page
+# of an idle H200 (vmm_latency_h200.json), up to 6 ms at the 373 us p50 of a loaded run, against ~7 ms a decode step
+# at 64 clients.
 EAGER_PAGES = 16
-# The share of the pool (one part in this many) prepared free slots may hold: pages taken from the prefix cache.
+# The share of the pool (one part in this many) that prepared free slots may hold.
 EAGER_SHARE = 8
 
 
@@ -73,31 +75,38 @@ class PageLedger(NumberedSlotCache):
                 return
             if self.prefixes is not None:
                 self._check_tokens(num_tokens, "num_tokens")
-                self._evict_for(state, num_tokens)
+                self._evict_for(lambda: self._demand(state, num_tokens))
         super().ensure(slot, num_tokens)
         if not unchanged:
             self._ops.append(Ensure(slot, num_tokens))
 
-    def ensure_ahead(self, slot: int, num_tokens: int) -> bool:
-        """Back ``slot`` up to ``num_tokens`` for mapping ahead, unrecorded (the plan travels apart, as a
-        ``MappingPlan``); False, with nothing done, where the pool is short or a shared page would have to be
-        copied -- that copy would run on the workers' mapper threads beside the step still writing the page.
+    def ensure_ahead(self, targets: dict[int, int]) -> dict[int, int]:
+        """Back each slot of ``targets`` up to its tokens for mapping ahead, unrecorded (the plan travels apart, as a
+        ``MappingPlan``); returns those backed. A slot is left out, with nothing done, where the pool is short or a
+        shared page would have to be copied -- that copy would run on the workers' mapper threads beside the step
+        still writing the page.
 
-        Cached prefix pages are evicted for it as for ``ensure``, recorded: the caller takes the operations after its
-        plan, so that the workers drop them before their mappers run it. (Where nothing was evicted ahead, a decode
-        behind a full prefix cache could never be mapped ahead: every step would map its new pages in its own launch,
-        after a failed walk of every slot here for each.)"""
-        self._check_tokens(num_tokens, "num_tokens")
-        try:
-            with self._lock:
-                state = self._in_use(slot)
-                # (A decode step's usual case needs no page, or one the pool has: no eviction is looked for.)
-                if self.prefixes is not None and self.spec.pages_for(num_tokens) - len(state.pages) > self._free_pages():
-                    self._evict_for(state, num_tokens)
-            # ``SlotCache``'s, not this class's ``ensure``: it records nothing
-            return self._ensure(slot, num_tokens, copy_shared=False)
-        except KVCacheExhausted:
-            return False
+        Cached prefix pages are evicted for all of them first, recorded: the workers apply the step's operations
+        before their mappers run the plan's ensures, so the ledger does too, or a worker's ensure would meet a pool
+        its ledger's did not and reclaim other pages. (Where nothing was evicted ahead, a decode behind a full prefix
+        cache could never be mapped ahead: every step would map its new pages in its own launch.)"""
+        for tokens in targets.values():
+            self._check_tokens(tokens, "num_tokens")
+        with self._lock:
+            states = [(self._in_use(slot), tokens) for slot, tokens in targets.items()]
+            # (A decode step's usual case needs no page, or one the pool has: no eviction is looked for.)
+            if self.prefixes is not None and sum(max(0, self.spec.pages_for(t) - len(st.pages)) for st, t in states) \
+                    > self._free_pages():
+                self._evict_for(lambda: sum(self._demand(st, t) for st, t in states))
+            backed = {}
+            for slot, tokens in targets.items():
+                try:
+                    # ``SlotCache``'s, not this class's ``ensure``: it records nothing
+                    if self._ensure(slot, tokens, copy_shared=False):
+                        backed[slot] = tokens
+                except KVCacheExhausted:
+                    pass
+            return backed
 
     def eager_ahead(self, tokens: int, slots: int) -> MappingPlan | None:
         """Prepare free slots for ``tokens``-token requests to come (``SlotCache.eager_map``: up to ``slots`` free slots
@@ -111,13 +120,13 @@ class PageLedger(NumberedSlotCache):
         need = self.spec.pages_for(tokens)
         with self._lock:
             self._eager = True
-            slots_state = (tokens, slots, self._releases, self._allocs)
-            if self._eager_idle in (slots_state, (*slots_state, self._free_pages(), len(self._kept))):
+            idle = (tokens, slots, self._releases, self._allocs)
+            if self._eager_idle in (idle, (*idle, self._free_pages(), len(self._kept))):
                 return None
             order = self._eager_order(need)[:slots]
             missing = next((need - own for _, own in order if own < need), 0)
             if not missing:
-                self._eager_idle = slots_state  # all prepared: until a slot is taken or freed
+                self._eager_idle = idle  # all prepared: until a slot is taken or freed
                 return None
             prepared = sum(own for _, own in order)
             budget = min(missing, EAGER_PAGES, self._total_pages() // EAGER_SHARE - prepared)
@@ -125,14 +134,14 @@ class PageLedger(NumberedSlotCache):
             drop = self._unheld(budget + reserve - self._free_pages())
             budget = min(budget, self._free_pages() + len(drop) - reserve)
             if budget <= 0:
-                self._eager_idle = (*slots_state, self._free_pages(), len(self._kept))  # until pages come free
+                self._eager_idle = (*idle, self._free_pages(), len(self._kept))  # until pages come free
                 return None
             self._eager_idle = None
             if drop:  # pages in no slot: the order stays
                 self.drop_kept(drop)
                 self.prefixes.remove(drop)
-            mapped = self._eager_fill(order, need, budget)
-            return MappingPlan({}, tokens, slots, budget, drop) if mapped or drop else None
+            self._eager_fill(order, need, budget)  # maps ``budget`` pages: the pool has them
+            return MappingPlan({}, tokens, slots, budget, drop)
 
     def _unheld(self, most: int) -> tuple[int, ...]:
         """Keys of up to ``most`` cached pages that no slot holds, least recently used first (a bounded look)."""
@@ -144,10 +153,6 @@ class PageLedger(NumberedSlotCache):
                     if len(drop) == most:
                         break
         return tuple(drop)
-
-    def _drop_unheld(self, most: int) -> None:
-        if keys := self._unheld(most):
-            self._evict(keys)
 
     def share_prefix(self, src: int, dst: int, tokens: int) -> None:
         super().share_prefix(src, dst, tokens)
@@ -208,25 +213,27 @@ class PageLedger(NumberedSlotCache):
         self.prefixes.remove(keys)
         self._ops.append(DropKept(keys))
 
-    def _evict_for(self, state: SlotState, num_tokens: int) -> None:
-        """Before ``state``'s slot is backed to ``num_tokens``: while the pool, with what ``reclaim`` could free, is
-        short of what it needs, drop held pages that no slot in use holds within its tokens, least recently used first.
-        (Dropping a page the slot itself holds past its tokens -- a reused slot's old prefix -- spares the copy
-        a write into it would have made.)"""
+    def _demand(self, state: SlotState, num_tokens: int) -> int:
+        """Pages the pool must give to back ``state``'s slot to ``num_tokens``: new ones, and a copy of each shared page
+        the writes land in (a scan of the write range only: a decode step's is one page)."""
         need = self.spec.pages_for(num_tokens)
-        if self._eager:
+        return max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
+
+    def _evict_for(self, demand: Callable[[], int]) -> None:
+        """Before slots are backed: while the pool, with what ``reclaim`` could free, is short of the ``demand()``
+        pages they need, drop held pages that no slot in use holds within its tokens, least recently used first.
+        (Dropping a page a slot itself holds past its tokens -- a reused slot's old prefix -- spares the copy a write
+        into it would have made: ``demand`` is asked again after each batch.)"""
+        if self._eager and demand() > self._free_pages():
             # Free slots prepared for new requests hold pages alone, and reclaiming them would undo that: first the
             # cached pages nothing else holds (in no slot: dropping one unmaps nothing), least recently used first.
-            demand = max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
-            if demand > self._free_pages():
-                self._drop_unheld(max(demand - self._free_pages(), self.eviction_batch()))
+            if keys := self._unheld(max(demand() - self._free_pages(), self.eviction_batch())):
+                self._evict(keys)
         while True:
-            # Pages the pool must give: new ones, and a copy of each shared page the writes land in (a scan of the
-            # write range only: a decode step's is one page).
-            demand = max(0, need - len(state.pages)) + len(self._shared_in_write_range(state, need, num_tokens))
-            if demand <= self._free_pages() or self._reclaims_at_least(demand - self._free_pages()):
+            pages = demand()
+            if pages <= self._free_pages() or self._reclaims_at_least(pages - self._free_pages()):
                 return
-            short = demand - self._free_pages() - self._reclaimable()
+            short = pages - self._free_pages() - self._reclaimable()
             if short <= 0:
                 return
             used = set()

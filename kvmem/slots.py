@@ -304,31 +304,42 @@ class SlotCache(ABC):
             if self._stale_slots and not self.unmaps_in_background:
                 # Stale mappings hold no references (``_drop_tail`` let go of them): this only keeps them few.
                 self._unmap_stale(done_only=True)
-            state.expected = max(state.expected, num_tokens)
-            if need <= len(state.pages) and not shared:
-                # Backed already, and no page the writes reach is shared, so none past its tokens either: nothing to
-                # map, copy or drop (a decode step's usual case, twice a sequence a step in the scheduler's ledger).
-                state.tokens = num_tokens
-                return True
-            # A reused slot's shared pages past the request's tokens hold none of its bytes: let go of them from the
-            # first (one unmap) and map fresh pages as growth does -- ahead of the step, where copy-on-write would
-            # replace them one by one inside it. Where the pool has no room for that, copy-on-write as before.
-            keep = self._first_shared_past_tokens(state, need)
-            cow = self._shared_in_write_range(state, min(need, keep), num_tokens)
-            if keep < len(state.pages) and not self._has_room(max(0, need - keep) + len(cow)):
-                keep = len(state.pages)
-                cow = self._shared_in_write_range(state, need, num_tokens)
-            demand = max(0, need - keep) + len(cow)
-            if demand:
-                self._make_room(demand, slot, num_tokens)
-            if keep < len(state.pages):
-                self._drop_tail(slot, keep)
-            if cow:
-                self._copy_on_write(slot, state, cow)
-            if need > len(state.pages):
-                self._link_run(slot, self._take(need - len(state.pages)))
+            expected, state.expected = state.expected, max(state.expected, num_tokens)
+            try:
+                return self._back(slot, state, need, num_tokens, shared)
+            except KVCacheExhausted:
+                # Unchanged, as promised: a ledger's failed call is never replayed, and a raised expectation would
+                # keep pages from its reclaims that the workers' do reclaim.
+                state.expected = expected
+                raise
+
+    def _back(self, slot: int, state: SlotState, need: int, num_tokens: int, shared: list[int]) -> bool:
+        """``_ensure``'s backing of ``slot`` to ``num_tokens`` (``need`` pages; ``shared``: pages in its write range
+        that others hold too), its expectation raised already."""
+        if need <= len(state.pages) and not shared:
+            # Backed already, and no page the writes reach is shared, so none past its tokens either: nothing to
+            # map, copy or drop (a decode step's usual case, twice a sequence a step in the scheduler's ledger).
             state.tokens = num_tokens
             return True
+        # A reused slot's shared pages past the request's tokens hold none of its bytes: let go of them from the
+        # first (one unmap) and map fresh pages as growth does -- ahead of the step, where copy-on-write would
+        # replace them one by one inside it. Where the pool has no room for that, copy-on-write as before.
+        keep = self._first_shared_past_tokens(state, need)
+        cow = self._shared_in_write_range(state, min(need, keep), num_tokens)
+        if keep < len(state.pages) and not self._has_room(max(0, need - keep) + len(cow)):
+            keep = len(state.pages)
+            cow = self._shared_in_write_range(state, need, num_tokens)
+        demand = max(0, need - keep) + len(cow)
+        if demand:
+            self._make_room(demand, slot, num_tokens)
+        if keep < len(state.pages):
+            self._drop_tail(slot, keep)
+        if cow:
+            self._copy_on_write(slot, state, cow)
+        if need > len(state.pages):
+            self._link_run(slot, self._take(need - len(state.pages)))
+        state.tokens = num_tokens
+        return True
 
     def _first_shared_past_tokens(self, state: SlotState, need: int) -> int:
         """Index of the slot's first shared page, among those the writes up to ``need`` pages reach, that holds none

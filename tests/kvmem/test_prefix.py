@@ -264,7 +264,7 @@ def test_growth_mapped_ahead_behind_a_full_prefix_cache_evicts_first_and_the_wor
     slot = ledger.alloc_slot(64)
     assert ledger.free_pages() == 0 and ledger._slots[slot].pages == []
     apply_ops(cache, ledger.take_ops())
-    assert ledger.ensure_ahead(slot, 32)
+    assert ledger.ensure_ahead({slot: 32}) == {slot: 32}
     ops = ledger.take_ops()
     assert ops == (DropKept(tuple(range(15, -1, -1))),)  # the least recently used batch; the plan itself is unrecorded
     apply_ops(cache, ops)
@@ -284,7 +284,7 @@ def test_a_request_in_a_slot_of_cached_pages_lets_them_go_at_once_and_grows_ahea
     ledger.ensure(slot, 16)
     assert ledger._slots[slot].pages == [4]  # a fresh page; a0..a3 stay with the prefix cache only
     assert ledger.kept_pages() == 4 and ledger.cached_prefix([b"a0", b"a1"]) == [0, 1]
-    assert ledger.ensure_ahead(slot, 64)  # nothing shared in the way: growth may be mapped ahead
+    assert ledger.ensure_ahead({slot: 64}) == {slot: 64}  # nothing shared in the way: growth may be mapped ahead
     apply_ops(cache, ledger.take_ops())
     cache.ensure(slot, 64)
     assert cache.accounting() == ledger.accounting()
