@@ -161,6 +161,13 @@ def test_deterministic_is_off_by_default_and_a_value_turns_it_on():
         assert ServeArgs.parse(app["args"]).engine().deterministic is on
 
 
+def test_free_slots_are_prepared_by_default_and_a_value_turns_it_off():
+    for values, slots in (({}, 64), ({"engine": {"eagerSlots": 0}}, 0)):
+        (app,) = yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"])["applications"]
+        assert app["args"]["eager_slots"] == slots
+        assert ServeArgs.parse(app["args"]).engine().eager_slots == slots
+
+
 def test_the_api_key_comes_from_the_secret_into_every_ray_pod_and_the_test_pod():
     objects = render({"apiKey": {"secretName": "vattn-key", "secretKey": "token"}})
     service = one(objects, "RayService")["spec"]["rayClusterConfig"]

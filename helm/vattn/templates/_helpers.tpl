@@ -105,6 +105,7 @@ applications:
       placement_strategy: {{ .Values.engine.placementStrategy }}
       enable_prefix_caching: {{ .Values.engine.enablePrefixCaching }}
       deterministic: {{ .Values.engine.deterministic }}
+      eager_slots: {{ .Values.engine.eagerSlots }}
       num_replicas: {{ .Values.serve.numReplicas }}
       ingress_replicas: {{ .Values.serve.ingressReplicas }}
       max_pending: {{ .Values.serve.maxPending }}
