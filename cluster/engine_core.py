@@ -338,7 +338,6 @@ class EngineCore:
         # Backed in the ledger now, mapped by the workers meanwhile; the prefix pages evicted for it go with this step's
         # operations, which the workers apply before their mappers start on it.
         plan = self.scheduler.lookahead(out)
-        eager = (plan.eager_tokens, plan.eager_slots, plan.eager_pages, plan.eager_drop) if plan.eager_slots else ()
         ops = self.ledger.take_ops()
         new, seq_ids, slots, starts, samples, produced, tokens, offsets = [], [], [], [], [], [], [], [0]
         allowed = {}  # seq_id -> the token bitmask of its grammar's next token
@@ -373,7 +372,7 @@ class EngineCore:
         forget, self._forget = tuple(self._forget), []
         return StepInput(next(self._messages), tuple(new), forget, ops, plan.needs, tuple(seq_ids), tuple(slots),
                          tuple(starts), tuple(samples), tuple(produced), tuple(tokens), tuple(offsets), allowed, banned,
-                         tuple(late), eager=eager)
+                         tuple(late), eager=plan.eager_args)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cluster.sequence import Sequence, SeqStatus
@@ -324,7 +324,7 @@ class Scheduler:
         if self.config.eager_slots and self._eager_tokens and self.kv.keeps_pages_on_free:
             eager = self.kv.eager_ahead(self._eager_tokens, self.config.eager_slots)
             if eager is not None:
-                return MappingPlan(needs, eager.eager_tokens, eager.eager_slots, eager.eager_pages, eager.eager_drop)
+                return replace(eager, needs=needs)
         return MappingPlan(needs)
 
     # -- results -------------------------------------------------------------------------------

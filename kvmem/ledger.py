@@ -224,10 +224,10 @@ class PageLedger(NumberedSlotCache):
         pages they need, drop held pages that no slot in use holds within its tokens, least recently used first.
         (Dropping a page a slot itself holds past its tokens -- a reused slot's old prefix -- spares the copy a write
         into it would have made: ``demand`` is asked again after each batch.)"""
-        if self._eager and demand() > self._free_pages():
+        if self._eager and (short := demand() - self._free_pages()) > 0:
             # Free slots prepared for new requests hold pages alone, and reclaiming them would undo that: first the
             # cached pages nothing else holds (in no slot: dropping one unmaps nothing), least recently used first.
-            if keys := self._unheld(max(demand() - self._free_pages(), self.eviction_batch())):
+            if keys := self._unheld(max(short, self.eviction_batch())):
                 self._evict(keys)
         while True:
             pages = demand()

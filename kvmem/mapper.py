@@ -39,6 +39,12 @@ class MappingPlan:
             self._done.set()
 
     @property
+    def eager_args(self) -> tuple:
+        """``SlotCache.eager_map``'s arguments, as a step carries them to the workers (``StepInput.eager``); () for
+        none."""
+        return (self.eager_tokens, self.eager_slots, self.eager_pages, self.eager_drop) if self.eager_slots else ()
+
+    @property
     def done(self) -> bool:
         return self._done.is_set()
 

@@ -3,7 +3,6 @@ text or tool calls (``server.tool_calls``) -- out, whole or streamed (vLLM's ``s
 
 from __future__ import annotations
 
-
 from fastapi import Request
 
 from server import protocol as p
