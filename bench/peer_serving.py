@@ -66,7 +66,7 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
         env = {k: v for k, v in env.items() if not k.startswith("FLASHINFER_")}
         env["PYTHONPATH"] = args.vllm_site
         profiler = []
-        if args.profile:  # its torch profiler, started and stopped over HTTP (vllm_steps); idle until then
+        if profiled_loads(args):  # its torch profiler, started and stopped over HTTP (vllm_steps); idle until then
             profiler = ["--profiler-config", json.dumps({
                 "profiler": "torch", "torch_profiler_dir": str((args.work / "vllm_traces").resolve()),
                 "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
@@ -118,12 +118,13 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def our_clients(label: str, model: Path, args, concurrency: list[int] | None = None, rounds: int | None = None,
-                rates: list[float] | None = None) -> dict:
+                rates: list[float] | None = None, seed: int = 0, rate_seconds: float | None = None) -> dict:
     """``bench/serving.py`` against the running server (by default at ``args``' levels); its results."""
     name = f"{label}_ours"
     subprocess.run([sys.executable, str(HERE / "serving.py"), "--url", f"http://127.0.0.1:{PORT}", "--served-name",
-                    SERVED, "--concurrency", *map(str, concurrency or args.concurrency),
-                    "--rates", *map(str, args.rates if rates is None else rates), "--rate-seconds", str(args.rate_seconds),
+                    SERVED, "--concurrency", *map(str, args.concurrency if concurrency is None else concurrency),
+                    "--rates", *map(str, args.rates if rates is None else rates),
+                    "--rate-seconds", str(rate_seconds or args.rate_seconds), "--seed", str(seed),
                     "--rounds", str(rounds or args.rounds),
                     "--input", str(args.input), "--output", str(args.output), "--vocab", str(args.vocab),
                     "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
@@ -236,10 +237,10 @@ def wait_loaded(clients: int, timeout: float = 180) -> bool:
     return False
 
 
-def vattn_steps(label: str, c: int, args) -> dict | None:
+def vattn_steps(label: str, load: str, args) -> dict | None:
     """Two seconds of the running ``vattn serve``'s steps under torch's profiler (``bench/serve_trace.py``), per
     replica: ``trace_breakdown.timeline``'s reading."""
-    trace = args.work / f"{label}_steps_{c}.json"
+    trace = args.work / f"{label}_steps_{load}.json"
     subprocess.run([sys.executable, str(HERE / "serve_trace.py"), "--seconds", "2", "--out", str(trace)],
                    env=report.tree_env(HERE.parent),
                    timeout=300)
@@ -274,37 +275,71 @@ def vllm_steps(args) -> dict | None:
     return None
 
 
+def profiled_loads(args) -> list[dict]:
+    """The loads ``--profile`` (clients) and ``--profile-rates`` (Poisson arrivals, requests/s) name, in that order."""
+    return ([{"concurrency": c, "rate": None} for c in args.profile]
+            + [{"concurrency": None, "rate": r} for r in args.profile_rates])
+
+
 def profiled_clients(side: str, label: str, model: Path, args) -> list[dict]:
-    """At each ``--profile`` concurrency, ``vllm bench serve`` (with ``--vllm-client``, else ``bench/serving.py``) for
-    ``--profile-rounds`` requests a client, on prompts of their own (another seed: none the prefix caches hold), while
-    ``ProcessSampler`` samples the side's processes: the run's numbers, each process's CPU and stacks, the counters
-    /metrics moved by over ``--profile-window`` seconds of the load and the server's steps under torch's profiler for
-    two seconds after that (``vattn_steps``, ``vllm_steps``; the load must last: ``--profile-rounds``)."""
+    """At each of ``profiled_loads``, ``vllm bench serve`` (with ``--vllm-client``, else ``bench/serving.py``) on
+    prompts of their own (another seed: none the prefix caches hold) -- ``--profile-rounds`` requests a client, or at a
+    rate ``arrivals`` -- while ``ProcessSampler`` samples the side's processes: the run's
+    numbers, each process's CPU and stacks, the counters /metrics moved by over ``--profile-window`` seconds of the load
+    and the server's steps under torch's profiler for two seconds after that (``vattn_steps``, ``vllm_steps``; the load
+    must last: ``--profile-rounds``). A rate's window opens ``RATE_SETTLE_S`` after its first arrival: in flight then
+    is what arrivals at that rate keep in flight."""
     out = []
-    for c in args.profile:
-        sampler = ProcessSampler(PROFILED[side], args.work / f"{label}_profile_{c}")
+    for load in profiled_loads(args):
+        c, rate = load["concurrency"], load["rate"]
+        name = f"{c}" if rate is None else f"{rate:g}rps"
+        sampler = ProcessSampler(PROFILED[side], args.work / f"{label}_profile_{name}")
         sampler.start()
         run: dict = {}
-        if args.vllm_client:
+        if rate is not None and args.vllm_client:
+            drive = lambda: run.update(vllm_client(f"{label}_profiled", None, arrivals(rate, args), model, args, seed=1,
+                                                   rate=rate))
+        elif rate is not None:
+            drive = lambda: run.update(our_clients(f"{label}_profiled_{name}", model, args, [], seed=1, rates=[rate],
+                                                   rate_seconds=arrivals(rate, args) / rate))
+        elif args.vllm_client:
             drive = lambda: run.update(vllm_client(f"{label}_profiled", c, args.profile_rounds * c, model, args, seed=1))
         else:
-            drive = lambda: run.update(our_clients(f"{label}_profiled_{c}", model, args, [c], args.profile_rounds, []))
+            drive = lambda: run.update(our_clients(f"{label}_profiled_{c}", model, args, [c], args.profile_rounds, [],
+                                                   seed=1))
         client = threading.Thread(target=drive)
         client.start()
         metrics = {}
-        if wait_loaded(c):
+        if wait_loaded(c) if rate is None else settled():
             before, start = scrape(f"http://127.0.0.1:{PORT}/metrics"), time.monotonic()
             time.sleep(args.profile_window)
             after = scrape(f"http://127.0.0.1:{PORT}/metrics")
             metrics["window_s"] = time.monotonic() - start
             metrics["counters"] = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
             # After the window: the profiler's own cost is not in its counters.
-            metrics["steps"] = vattn_steps(label, c, args) if side == "vattn" else vllm_steps(args)
+            metrics["steps"] = vattn_steps(label, name, args) if side == "vattn" else vllm_steps(args)
         client.join()
-        out.append(run | {"processes": sampler.stop(), "inside": metrics})
-        print(f"--- {label}: {c} clients profiled: " + json.dumps(
+        out.append(run | load | {"processes": sampler.stop(), "inside": metrics})
+        print(f"--- {label}: {load_name(load)} profiled: " + json.dumps(
             {k: round(v["cpu_share"], 2) for k, v in out[-1]["processes"].items()}), flush=True)
     return out
+
+
+#: A profiled rate's arrivals outlast its window by this much (the settling before it, the steps' trace after it).
+PROFILE_ARRIVALS_S = 20
+#: Seconds from a profiled rate's first arrival to its window.
+RATE_SETTLE_S = 6
+
+
+def arrivals(rate: float, args) -> int:
+    """The requests a profiled run at ``rate`` sends: as many as arrive over its window and ``PROFILE_ARRIVALS_S``."""
+    return max(16, round(rate * (PROFILE_ARRIVALS_S + args.profile_window)))
+
+
+def settled() -> bool:
+    """After ``RATE_SETTLE_S``: arrivals at a steady rate have filled the server as they will."""
+    time.sleep(RATE_SETTLE_S)
+    return True
 
 
 #: ``vllm_client_table``'s columns: (key in a ``vllm_client`` level, or in its ``request_timeline``; header).
@@ -356,7 +391,7 @@ def run_side(side: str, index: int, model: Path, args) -> dict:
         result["ours"] = our_clients(label, model, args)
         if args.vllm_client:
             result["vllm_client"] = vllm_clients(label, model, args)
-        if args.profile:
+        if profiled_loads(args):
             result["profiled"] = profiled_clients(side, label, model, args)
         return result
     finally:
@@ -453,6 +488,8 @@ def main() -> None:
                         "with `vllm bench serve` at these concurrencies while its processes are sampled (py-spy, CPU "
                         "per thread; bench/process_sampler.py) and its steps recorded under torch's profiler for 2 s; "
                         "stacks and traces in --work")
+    parser.add_argument("--profile-rates", type=float, nargs="*", default=[], help="then the same at these Poisson "
+                        "arrival rates (requests/s)")
     parser.add_argument("--profile-rounds", type=int, default=8, help="requests per client in a profiled run")
     parser.add_argument("--profile-window", type=float, default=6, help="seconds of a profiled run's load over which "
                         "the counters /metrics shows are differenced")

@@ -215,7 +215,7 @@ def main() -> None:
     p.add_argument("--ingress-replicas", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256], help="none: --rates only")
     p.add_argument("--rates", type=float, nargs="*", default=[],
                    help="then Poisson arrivals at these requests/s (at most 1024 open at once), --rate-seconds of them each")
     p.add_argument("--rate-seconds", type=float, default=20)
@@ -287,7 +287,8 @@ def main() -> None:
             "output_tokens": args.output, "prefixes": args.prefixes, "prefix_len": args.prefix_len,
             "temperature": temperature, "text_prompts": args.text, "levels": levels}
     report.write(args.name, headers, rows, data, args.out)
-    plot(levels, args.out / f"{args.name}.png", f"{name}: {args.input} in / {args.output} out tokens, streaming")
+    if args.concurrency:  # the figure is over concurrency
+        plot(levels, args.out / f"{args.name}.png", f"{name}: {args.input} in / {args.output} out tokens, streaming")
     if any(r["errors"] for r in levels):
         sys.exit(f"errors: {[r['first_errors'] for r in levels if r['errors']]}")
 

@@ -106,7 +106,8 @@ def test_vllm_clients_per_request_records_say_how_many_requests_were_decoding_an
 def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_servers_for_room():
     args = argparse.Namespace(prefixes=32, prefix_len=2048, input=256, output=128, max_num_seqs=256,
                               max_num_batched_tokens=8192, vllm_site="/v", kv_memory_gib=40, device="cuda",
-                              dtype="bfloat16", profile=[], work=Path("/w"), ingress_replicas=2)
+                              dtype="bfloat16", profile=[], profile_rates=[], work=Path("/w"),
+                              ingress_replicas=2)
     assert peer_serving.dataset_args(args) == [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "2048", "--prefix-repetition-suffix-len",
         "256", "--prefix-repetition-num-prefixes", "32", "--prefix-repetition-output-len", "128"]
@@ -120,5 +121,12 @@ def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_serv
     profiled, _ = peer_serving.server_command("vllm", Path("/m"), argparse.Namespace(**vars(args) | {"profile": [64]}))
     config = json.loads(profiled[profiled.index("--profiler-config") + 1])  # vLLM's torch profiler, idle until asked
     assert config["profiler"] == "torch" and config["torch_profiler_dir"] == "/w/vllm_traces"
+    at_rates = argparse.Namespace(**vars(args) | {"profile_rates": [20.0]})  # a rate alone is profiled too
+    assert "--profiler-config" in peer_serving.server_command("vllm", Path("/m"), at_rates)[0]
+    assert peer_serving.profiled_loads(argparse.Namespace(profile=[64], profile_rates=[20.0, 40.0])) == [
+        {"concurrency": 64, "rate": None}, {"concurrency": None, "rate": 20.0}, {"concurrency": None, "rate": 40.0}]
+    # A rate's run lasts past its window by the settling before it and the trace after it: more than both
+    assert peer_serving.arrivals(20.0, argparse.Namespace(profile_window=6)) / 20.0 > (
+        peer_serving.RATE_SETTLE_S + 6 + 2)
     assert peer_serving.dataset_args(argparse.Namespace(prefixes=0, input=512, output=128))[:2] == ["--dataset-name",
                                                                                                    "random"]
