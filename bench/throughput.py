@@ -258,6 +258,8 @@ def main() -> None:
                              "for the Ray engine (needs --no-hf: its worker builds the preset's weights itself)")
     parser.add_argument("--kv-memory-gib", type=float, default=40)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=0, help="requests running at once (default: every one; "
+                        "a server's setting to compare a served rate with)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
@@ -285,7 +287,8 @@ def main() -> None:
     for layout in args.layouts:
         try:
             results["runs"][layout] = run_engine(model, layout, prompts, args.output, int(args.kv_memory_gib * GiB),
-                                                 args.max_num_batched_tokens)
+                                                 args.max_num_batched_tokens,
+                                                 **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
         except Exception as exc:  # keep the other layouts' numbers; the failure is reported, not hidden
             traceback.print_exc()
             results.setdefault("failed", {})[layout] = repr(exc)
