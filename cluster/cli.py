@@ -73,6 +73,9 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement-strategy", choices=STRATEGIES, default="STRICT_PACK")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV of prompt prefixes earlier requests computed (vLLM's flag; default on)")
+    parser.add_argument("--mixed-graph-tokens", type=int, default=2048,
+                        help="with CUDA graphs, steps of up to this many tokens that prefill replay graphs too, where "
+                             "the attention backend allows it (fa3; 0: they run eagerly)")
     parser.add_argument("--eager-slots", type=int, default=64,
                         help="free slots kept holding pages for the next new requests, so that their prompts map "
                              "nothing in their step (virtual layouts; 0: off)")
@@ -101,7 +104,8 @@ def engine_config(args: argparse.Namespace, device: str) -> dict:
                 max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy,
                 enable_prefix_caching=args.enable_prefix_caching, cuda_graphs=False if args.enforce_eager else None,
-                deterministic=args.deterministic, eager_slots=args.eager_slots)
+                deterministic=args.deterministic, eager_slots=args.eager_slots,
+                mixed_graph_tokens=args.mixed_graph_tokens)
 
 
 def generate(args: argparse.Namespace) -> int:

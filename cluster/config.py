@@ -74,6 +74,11 @@ class EngineConfig:
     device: str | None = None
     load_format: Literal["auto", "dummy"] = "auto"  # "dummy": random weights at a model directory's shape
     cuda_graphs: bool | None = None
+    # With CUDA graphs, steps of up to this many tokens that prefill replay graphs too, where the attention backend
+    # runs a mixed step in one call (fa3; worker/mixed_graphs.py): under arrivals spread in time a new prompt beside the
+    # running decodes made an eager step whose launch outlasted its kernels. 0: such steps run eagerly. (vLLM's
+    # nearest: max_cudagraph_capture_size.)
+    mixed_graph_tokens: int = 2048
     seed: int = 0
     progress: bool = False
     tensor_parallel_size: int = 1
@@ -358,6 +363,9 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
             raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
     if isinstance(config.eager_slots, bool) or not isinstance(config.eager_slots, int) or config.eager_slots < 0:
         raise ValueError(f"eager_slots must be an int >= 0 (0: off), got {config.eager_slots!r}")
+    mixed = config.mixed_graph_tokens
+    if isinstance(mixed, bool) or not isinstance(mixed, int) or mixed < 0:
+        raise ValueError(f"mixed_graph_tokens must be an int >= 0 (0: off), got {mixed!r}")
     rows = config.tp_overlap_rows
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"tp_overlap_rows must be an int >= 0 (0: off), got {rows!r}")
@@ -407,7 +415,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                      load_format=config.load_format, fills_placeholders=overlap, token_ring=bool(ring),
                      deterministic=config.deterministic,
                      custom_all_reduce=not config.disable_custom_all_reduce, tp_overlap_rows=config.tp_overlap_rows,
-                     warm_rows=0 if config.deterministic else config.max_num_batched_tokens)  # its own matmuls
+                     warm_rows=0 if config.deterministic else config.max_num_batched_tokens,  # its own matmuls
+                     mixed_graph_tokens=min(mixed, config.max_num_batched_tokens) if graphs else 0)
         for p in range(pp) for t in range(tp)
     )
     ledger_spec = specs[max(range(pp), key=lambda p: specs[p].bytes_per_token)]

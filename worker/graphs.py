@@ -31,31 +31,18 @@ def padded_rows(n: int) -> int:
     return next((b for b in BATCH_BUCKETS if b >= n), -(-n // 128) * 128)
 
 
-class DecodeGraphs:
-    def __init__(
-        self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, max_batch: int, scratch: int,
-        tp: TPGroup = TPGroup(), logits: bool = True,
-    ):
-        """``scratch``: a slot the caller holds, one token backed, where padding rows read and write. With ``tp``
-        of several ranks each rank captures its shard's graphs, the all-reduces inside them, in lock-step with the
-        others (``_capture``): every rank must replay them for the same steps, whether it samples or not.
-        ``logits=False``: a rank whose peer samples; its graphs end at the layers (no LM head). A pipeline stage
-        after the first replays its layers over the previous stage's output (``run``'s ``hidden``); one before the
-        last ends at its layers too."""
+class StepGraphs:
+    """What the kinds of step graphs share: every size captured at once on first use, the largest first into one
+    memory pool, in lock-step with the other TP ranks; a subclass says what a size's step runs (``_forward``) and
+    what its inputs hold while nothing real is in them (``_pad_all``)."""
+
+    def __init__(self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, sizes,
+                 scratch: int, tp: TPGroup):
         self.model, self.cache, self.backend, self.rope_table, self.tp = model, cache, backend, rope_table, tp
-        self.with_logits = logits and model.is_last
         self.dtype = next(model.parameters()).dtype
         self.device = rope_table.device
-        self.buckets = sorted({min(b, max_batch) for b in BATCH_BUCKETS} | {max_batch})
+        self.sizes = sorted(set(sizes))
         self.scratch = scratch
-        # Rows: token, position, slot. Everything else the step needs follows from them on the device (and,
-        # for a paged cache, from the block tables).
-        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)
-        self.hidden = None if model.is_first else torch.zeros(max_batch, model.config.hidden_size, dtype=self.dtype,
-                                                              device=self.device)
-        self.paged = backend.reads == "blocks"
-        width = -(-cache.spec.max_tokens // cache.block_size) if self.paged else 0
-        self.tables = torch.zeros(max_batch, width, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -67,18 +54,82 @@ class DecodeGraphs:
         self.outputs.clear()
         self.pool = None
 
+    def _ready(self) -> None:
+        """Capture every size on first use: before a step's inputs go in, as the captures pad them all."""
+        if not self.graphs:
+            self._capture_all()
+
+    def _replay(self, size: int) -> torch.Tensor:
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+    def _capture_all(self) -> None:
+        """Every size's graph at once, over padding only: a capture takes 40-150 ms (H100), which the first steps of a
+        size would otherwise wait for, mid-run."""
+        start = time.perf_counter()
+        self._pad_all()
+        for size in reversed(self.sizes):  # the largest first: smaller ones fit in its memory pool
+            self._capture(size)
+        self.tp.barrier(self.device)  # no rank replays a graph while another still captures (NCCL hangs: 2xH200)
+        logger.debug("captured %d %s in %.0f ms", len(self.sizes), type(self).__name__, 1e3 * (time.perf_counter() - start))
+
+    def _pad_all(self) -> None:
+        raise NotImplementedError
+
+    def _forward(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _capture(self, size: int) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph: kernel selection, workspace allocation
+                self._forward(size)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        # NCCL collectives must not run eagerly on one rank while another captures them: every rank's warm-up done
+        # first.
+        self.tp.barrier(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = self._forward(size)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+
+
+class DecodeGraphs(StepGraphs):
+    def __init__(
+        self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, max_batch: int, scratch: int,
+        tp: TPGroup = TPGroup(), logits: bool = True,
+    ):
+        """``scratch``: a slot the caller holds, one token backed, where padding rows read and write. With ``tp``
+        of several ranks each rank captures its shard's graphs, the all-reduces inside them, in lock-step with the
+        others (``_capture``): every rank must replay them for the same steps, whether it samples or not.
+        ``logits=False``: a rank whose peer samples; its graphs end at the layers (no LM head). A pipeline stage
+        after the first replays its layers over the previous stage's output (``run``'s ``hidden``); one before the
+        last ends at its layers too."""
+        super().__init__(model, cache, backend, rope_table, [min(b, max_batch) for b in BATCH_BUCKETS] + [max_batch],
+                         scratch, tp)
+        self.with_logits = logits and model.is_last
+        # Rows: token, position, slot. Everything else the step needs follows from them on the device (and,
+        # for a paged cache, from the block tables).
+        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)
+        self.hidden = None if model.is_first else torch.zeros(max_batch, model.config.hidden_size, dtype=self.dtype,
+                                                              device=self.device)
+        self.paged = backend.reads == "blocks"
+        width = -(-cache.spec.max_tokens // cache.block_size) if self.paged else 0
+        self.tables = torch.zeros(max_batch, width, dtype=torch.int32, device=self.device)
+
     def fits(self, chunks) -> bool:
-        return len(chunks) <= self.buckets[-1] and all(len(c.token_ids) == 1 for c in chunks)
+        return len(chunks) <= self.sizes[-1] and all(len(c.token_ids) == 1 for c in chunks)
 
     def run(self, chunks, fill=None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Replay a decode step: ``[len(chunks), vocab]`` logits in the model's dtype (``Transformer.logits``), or
         the last layer's output without them (``logits=False``, a stage before the last: read it before the next
         replay); ``fill``: a ``TokenFill`` of tokens still on the device; ``hidden``: the previous stage's output,
         a row per chunk (a stage after the first)."""
-        if not self.graphs:
-            self._capture_all()
+        self._ready()
         b = len(chunks)
-        size = next(s for s in self.buckets if s >= b)
+        size = next(s for s in self.sizes if s >= b)
         pad = size - b
         host = torch.tensor([
             [c.token_ids[0] for c in chunks] + [0] * pad,
@@ -94,22 +145,14 @@ class DecodeGraphs:
             # Columns past a row's blocks keep stale ids, which the kernel never reads (it stops at the length).
             tables = self.cache.block_tables([c.slot for c in chunks] + [self.scratch] * pad)
             self.tables[:size, : tables.shape[1]].copy_(to_device(tables, self.device))
-        self.graphs[size].replay()
-        return self.outputs[size][:b]
+        return self._replay(size)[:b]
 
-    def _capture_all(self) -> None:
-        """Every bucket's graph at once, over padding rows only: a capture takes 40-150 ms (H100), which the
-        first steps of a batch size would otherwise wait for, mid-run."""
-        start = time.perf_counter()
+    def _pad_all(self) -> None:
         rows = len(self.inputs[0])
         self.inputs.copy_(torch.tensor([[0] * rows, [0] * rows, [self.scratch] * rows]))
         if self.paged:
             tables = self.cache.block_tables([self.scratch] * rows)
             self.tables[:, : tables.shape[1]].copy_(tables)
-        for size in reversed(self.buckets):  # the largest first: smaller ones fit in its memory pool
-            self._capture(size)
-        self.tp.barrier(self.device)  # no rank replays a graph while another still captures (NCCL hangs: 2xH200)
-        logger.debug("captured %d decode graphs in %.0f ms", len(self.buckets), 1e3 * (time.perf_counter() - start))
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens, positions, slots = self.inputs[:, :size]
@@ -143,19 +186,3 @@ class DecodeGraphs:
         x = tokens if self.hidden is None else self.hidden[:size]
         hidden = self.model(x, rope_for(self.rope_table, positions, self.dtype), AttentionStep(self.cache, self.backend, meta))
         return self.model.logits(hidden) if self.with_logits else hidden
-
-    def _capture(self, size: int) -> None:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the graph: kernel selection, workspace allocation
-                self._forward(size)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        # NCCL collectives must not run eagerly on one rank while another captures them: every rank's warm-up done
-        # first.
-        self.tp.barrier(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = self._forward(size)
-        self.pool = graph.pool()
-        self.graphs[size] = graph

@@ -9,6 +9,7 @@ import torch
 
 from worker.attention import AttentionBackend, AttentionMetadata, AttentionStep, SeqAttention
 from worker.graphs import BATCH_BUCKETS, DecodeGraphs, padded_rows
+from worker.mixed_graphs import MixedGraphs
 from worker.model import Transformer
 from worker.parallel import TPGroup
 from worker.penalties import PenaltyState
@@ -192,13 +193,16 @@ class ModelRunner:
         samples: bool = True,
         tp: TPGroup = TPGroup(),
         warm_rows: int = 0,
+        mixed_tokens: int = 0,
     ):
         """``graph_batch`` > 0: decode steps of up to that many sequences replay CUDA graphs (CUDA, a
         backend that does not gather; ``tp``: this rank's group, whose ranks capture theirs in lock-step; a pipeline
         stage its own layers); padding rows use ``scratch_slot``, a slot the caller holds with one token backed.
         ``samples=False``: a TP rank whose peer samples (every rank samples where the LM head is split by vocabulary:
         the draw gathers from every rank). ``warm_rows`` > 0 (CUDA): the layers' projections run once at
-        row counts up to it (``warm_projections``: a step's most tokens)."""
+        row counts up to it (``warm_projections``: a step's most tokens). ``mixed_tokens`` > 0 with ``graph_batch``:
+        steps of up to that many tokens that prefill replay graphs too, where the backend runs a mixed step in one
+        call (``MixedGraphs``)."""
         self.model = model
         self.cache = cache
         self.backend = backend
@@ -215,6 +219,9 @@ class ModelRunner:
                 raise ValueError("CUDA graphs need a scratch slot")
             self._graphs = DecodeGraphs(model, cache, backend, self._rope, graph_batch, scratch_slot, tp,
                                         logits=self.samples)
+        self._mixed = None
+        if graph_batch and mixed_tokens and getattr(backend, "graphs_mixed", False):
+            self._mixed = MixedGraphs(model, cache, backend, self._rope, graph_batch, mixed_tokens, scratch_slot, tp)
         self._pads = self.device.type == "cuda" and model.is_last and self.samples
         if self._pads:
             self._warm_logits()
@@ -238,8 +245,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release the CUDA graphs, if any."""
-        if self._graphs is not None:
-            self._graphs.close()
+        for graphs in (self._graphs, self._mixed):
+            if graphs is not None:
+                graphs.close()
 
     def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepOutput:
         """Run ``plan``; ``inputs`` are the previous pipeline stage's hidden states (none on the first)."""
@@ -281,9 +289,11 @@ class ModelRunner:
         # Decided alike on every TP rank, sampling or not: a rank replaying a graph and its peer running the step
         # eagerly (or capturing at another time) join collectives of other shapes, and NCCL hangs (2xH200).
         graphed = self._graphs is not None and self._graphs.fits(chunks) and not asks_prompt
+        mixed = not graphed and self._mixed is not None and self._mixed.fits(chunks) and not asks_prompt
         if not self.model.is_last:
             # A copy: the next replay of this bucket overwrites the graph's output while the hand-off may still read it.
             hidden = (self._graphs.run(chunks, plan.fill, inputs).clone() if graphed
+                      else self._mixed.run(chunks, plan.fill, inputs).clone() if mixed
                       else self._eager_hidden(chunks, inputs, plan.fill))
             return LaunchedStep(chunks, done=StepOutput({}, hidden))
         wanted = tuple(i for i, c in enumerate(chunks) if c.num_samples) if self.samples else ()
@@ -294,7 +304,8 @@ class ModelRunner:
             return self._draw(chunks, wanted, out if len(wanted) == len(chunks) else
                               out[to_device(torch.tensor(wanted), self.device)], {})
         prompt = asks_prompt and self.samples
-        hidden = self._eager_hidden(chunks, inputs, plan.fill)  # the layers run on every rank: K/V, all-reduces
+        # The layers run on every rank: K/V, all-reduces
+        hidden = self._mixed.run(chunks, plan.fill, inputs) if mixed else self._eager_hidden(chunks, inputs, plan.fill)
         prompt_logprobs = self._prompt_logprobs(chunks, hidden) if prompt else {}
         if not wanted:
             return LaunchedStep(chunks, done=StepOutput({}, prompt_logprobs=prompt_logprobs))

@@ -79,6 +79,7 @@ class WorkerConfig:
     custom_all_reduce: bool = True  # TP on GPUs: small sums through peer memory (``PeerAllReduce``) where it works
     tp_overlap_rows: int = 0  # ``TPGroup.overlap_rows``
     warm_rows: int = 0  # > 0 (CUDA): the projections run at row counts up to this at start (``warm_projections``)
+    mixed_graph_tokens: int = 0  # > 0 with graph_batch: steps that prefill, up to this many tokens, in graphs (``MixedGraphs``)
 
 
 class Worker:
@@ -150,7 +151,7 @@ class Worker:
             self.runner = ModelRunner(self.model, self.cache, self._backend, self.device, c.graph_batch,
                                       c.scratch_slot, samples=c.tp_rank == 0 or c.fills_placeholders or c.token_ring,
                                       tp=self.tp,
-                                      warm_rows=c.warm_rows)
+                                      warm_rows=c.warm_rows, mixed_tokens=c.mixed_graph_tokens)
             self.swap = SwapSpace(self.cache) if c.swap else None
             self.mapper = AsyncMapper(self.cache)
         except BaseException:

@@ -365,6 +365,20 @@ def test_cuda_graphs_default_on_every_tp_rank_and_pipeline_stage():
     assert graphs(pipeline_parallel_size=2, cuda_graphs=False) == [(0, None)] * 2
 
 
+def test_mixed_step_graphs_go_to_every_worker_with_graphs_up_to_a_steps_tokens():
+    from cluster.config import EngineConfig, plan
+
+    def tokens(**kw):  # plans only: no GPU needed
+        config = EngineConfig("llama-3-8b", device="cuda", attention="fa3", distributed="ray", **kw)
+        return [w.mixed_graph_tokens for w in plan(config, PRESETS["llama-3-8b"], "cuda").workers]
+
+    assert tokens(tensor_parallel_size=2) == [2048] * 2
+    assert tokens(max_num_batched_tokens=1024) == [1024]  # no step has more
+    assert tokens(mixed_graph_tokens=512) == [512]
+    assert tokens(mixed_graph_tokens=0) == tokens(cuda_graphs=False) == [0]
+    assert plan(EngineConfig("tiny", device="cpu"), PRESETS["tiny"], "cpu").workers[0].mixed_graph_tokens == 0
+
+
 def test_pipeline_stages_keep_a_micro_batch_each_in_flight_or_as_many_as_asked():
     from cluster.config import EngineConfig, plan
 

@@ -15,6 +15,7 @@ from tests.cluster.conftest import NEW_TOKENS
 from tests.conftest import cuda_missing, needs_attention
 from worker.config import PRESETS
 from worker.loader import random_model
+from worker.mixed_graphs import TOKEN_BUCKETS
 from worker.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -192,6 +193,34 @@ def test_prefix_caching_on_cuda_vmm_gives_the_tokens_computed_without_it(attenti
         assert [g[0] for g in got] == [w[0] for w in want]
         same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
         assert same >= 0.9 * sum(map(len, want)), f"only {same} of {sum(map(len, want))} tokens agree"
+
+
+def test_mixed_step_graphs_give_the_eager_steps_tokens():
+    """FA3 mixed-step graphs (the default with CUDA graphs) against the same steps run eagerly: prompts chunked under a
+    256-token budget beside running decodes, async scheduling (tokens filled in on the device), shared prefixes
+    (cached pages under the chunks), a small pool."""
+    needs_attention("fa3")
+    config = replace(PRESETS["tiny"], hidden_size=1024, intermediate_size=2048, num_layers=3, num_heads=8,
+                     num_kv_heads=8, head_dim=128)
+    model = random_model(config, torch.bfloat16, "cuda")
+    rng = random.Random(2)
+    systems = [[rng.randrange(3, 500) for _ in range(rng.randint(100, 300))] for _ in range(3)]
+    prompts = [rng.choice(systems)[: rng.randint(1, 300)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]
+               for _ in range(24)]
+    runs, used = {}, {}
+    for tokens in (0, 2048):
+        with LLM(model, attention="fa3", mixed_graph_tokens=tokens, dtype="bfloat16", device="cuda", max_num_seqs=8,
+                 max_num_batched_tokens=256, max_model_len=768, kv_memory=48 << 20) as llm:
+            runs[tokens] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+            torch.cuda.synchronize()
+            assert llm.core.ledger.accounting() == llm.cache.accounting()
+            mixed = llm.core.executor.worker.runner._mixed
+            used[tokens] = None if mixed is None else sorted(mixed.graphs)
+    assert used[0] is None and used[2048] == list(TOKEN_BUCKETS[:4])  # sizes up to the step budget, all captured
+    got, want = runs[2048], runs[0]
+    assert [g[0] for g in got] == [w[0] for w in want]
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    assert same >= 0.9 * sum(map(len, want)), f"only {same} of {sum(map(len, want))} tokens agree"
 
 
 @pytest.mark.parametrize(("layout", "attention", "graphs"), [

@@ -168,6 +168,12 @@ def test_free_slots_are_prepared_by_default_and_a_value_turns_it_off():
         assert ServeArgs.parse(app["args"]).engine().eager_slots == slots
 
 
+def test_mixed_step_graphs_are_on_by_default_and_a_value_turns_them_off():
+    for values, tokens in (({}, 2048), ({"engine": {"mixedGraphTokens": 0}}, 0)):
+        (app,) = yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"])["applications"]
+        assert ServeArgs.parse(app["args"]).engine().mixed_graph_tokens == tokens
+
+
 def test_the_api_key_comes_from_the_secret_into_every_ray_pod_and_the_test_pod():
     objects = render({"apiKey": {"secretName": "vattn-key", "secretKey": "token"}})
     service = one(objects, "RayService")["spec"]["rayClusterConfig"]
@@ -193,6 +199,7 @@ def test_the_rules_and_dashboards_are_the_repositorys_own():
     ({"engine": {"kvMemory": "lots"}}, "kvMemory"),
     ({"engine": {"kvMemoryFraction": 1.5}}, "kvMemoryFraction"),
     ({"engine": {"gpuMemoryUtilization": 0}}, "gpuMemoryUtilization"),
+    ({"engine": {"mixedGraphTokens": -1}}, "mixedGraphTokens"),
     ({"model": {"volume": {"type": "nfs"}}}, "type"),
     ({"serve": {"replicas": 2}}, "replicas"),
     ({"image": {"digest": "latest"}}, "digest"),

@@ -1,15 +1,21 @@
-"""CUDA-graph decode steps give the eager step's logits (GPU); the row buckets they and eager logits share."""
+"""CUDA-graph decode and mixed steps give the eager step's logits (GPU); the row buckets they and eager logits share;
+a mixed step's padded inputs."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvmem import KVCacheSpec, PagedKVCache, VirtualKVCache, paged_spec
-from tests.conftest import cuda_missing, make_vmm
+from tests.conftest import cuda_missing, make_vmm, needs_attention
 from worker.attention import get_backend
 from worker.graphs import BATCH_BUCKETS, padded_rows
-from worker.loader import build_model
+from worker.config import PRESETS
+from worker.loader import build_model, random_model
+from worker.mixed_graphs import TOKEN_BUCKETS, MixedGraphs, mixed_inputs, token_sizes
+from worker.rope import rope_cache
 from worker.runner import ModelRunner, ScheduledChunk, StepPlan
 from worker.sampling import SamplingParams
 
@@ -69,3 +75,82 @@ def test_graph_replay_matches_eager_logits(batch, backend):
                 assert set(g.top_logprobs) == set(w.top_logprobs)
                 assert all(abs(g.top_logprobs[t] - w.top_logprobs[t]) < 2e-2 for t in w.top_logprobs)
                 last[seq] = w.token_id
+
+
+def test_a_mixed_steps_inputs_pad_tokens_to_the_scratch_slot_and_sequences_to_nothing():
+    chunks = (chunk(0, 3, [11, 12, 13], 5), chunk(1, 4, [21], 9), chunk(2, 6, [31, 32], 0))
+    tokens, seqs = mixed_inputs(chunks, 8, 5, scratch=0)
+    assert tokens.dtype == torch.long and tokens.tolist() == [
+        [11, 12, 13, 21, 31, 32, 0, 0],  # ids
+        [5, 6, 7, 9, 0, 1, 0, 0],  # positions: each chunk's from its start
+        [3, 3, 3, 4, 6, 6, 0, 0],  # each token's slot; padding writes the scratch slot's first row
+    ]
+    assert seqs.dtype == torch.int32 and seqs.tolist() == [
+        [0, 3, 4, 6, 6, 6],  # cu_seqlens_q: padding sequences hold no token, padding tokens belong to none
+        [8, 10, 2, 0, 0, 0],  # KV lengths: a chunk's end
+        [3, 4, 6, 0, 0, 0],
+    ]
+    with pytest.raises(ValueError, match="a mixed step of 6 tokens in 3 sequences does not fit 4 tokens in 5 sequences"):
+        mixed_inputs(chunks, 4, 5, scratch=0)
+    with pytest.raises(ValueError, match="does not fit 8 tokens in 2 sequences"):
+        mixed_inputs(chunks, 8, 2, scratch=0)
+
+
+def test_mixed_step_sizes_step_by_64_tokens_then_coarser_up_to_the_cap():
+    assert token_sizes(2048) == list(TOKEN_BUCKETS)
+    assert token_sizes(600) == [64, 128, 192, 256, 320, 384, 448, 512, 576, 600]
+    assert token_sizes(8192)[-2:] == [2048, 8192]
+
+
+def test_mixed_step_graphs_need_a_backend_that_runs_a_mixed_step_in_one_call():
+    model = build_model("tiny", torch.float32, "cpu")
+    spec = KVCacheSpec(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, torch.float32, 4, 64,
+                       "mega", 4096)
+    with VirtualKVCache(spec, 8 * spec.num_buffers * spec.page_size, make_vmm("host")) as cache:
+        with pytest.raises(ValueError, match="mixed-step CUDA graphs need an attention backend that runs a mixed step "
+                                             "in one call over a virtual cache \\(fa3\\), got ReferenceAttention"):
+            MixedGraphs(model, cache, get_backend("torch"), rope_cache(model.config, "cpu"), 4, 256, 0)
+
+
+@pytest.mark.gpu
+def test_mixed_graph_replay_matches_the_eager_step():
+    """Steps of decode rows beside a new prompt and a prompt's later chunk, replayed from FA3 mixed-step graphs of two
+    sizes, against the same steps run eagerly: the same tokens and logprobs (near-ties aside)."""
+    needs_attention("fa3")
+    config = replace(PRESETS["tiny"], hidden_size=1024, intermediate_size=2048, num_layers=3, num_heads=8,
+                     num_kv_heads=8, head_dim=128)
+    model = random_model(config, torch.bfloat16, "cuda")
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, torch.bfloat16, 8, 1024, "mega", 2 << 20)
+    with VirtualKVCache(spec, 24 * spec.num_buffers * spec.page_size, make_vmm("cuda")) as cache:
+        impl = get_backend("fa3", "cuda")
+        eager = ModelRunner(model, cache, impl, "cuda")
+        scratch = cache.alloc_slot()
+        cache.ensure(scratch, 1)
+        graphs = ModelRunner(model, cache, impl, "cuda", graph_batch=6, scratch_slot=scratch, mixed_tokens=256)
+        gen = torch.Generator().manual_seed(0)
+        ids = lambda n: torch.randint(0, 256, (n,), generator=gen).tolist()  # noqa: E731
+        slots = [cache.alloc_slot() for _ in range(5)]
+        for slot in slots:
+            cache.ensure(slot, 400)
+        lengths, last = [37, 150, 9], {}
+        for seq, n in enumerate(lengths):  # three sequences decoding
+            last[seq] = eager.execute(StepPlan((chunk(seq, slots[seq], ids(n), 0),))).sampled[seq][0]
+        first = ids(120)  # a prompt whose first chunk ran in a step before
+        eager.execute(StepPlan((replace(chunk(4, slots[4], first[:70], 0), num_samples=0),)))
+        for step, (new, rest) in enumerate(((ids(40), first[70:]), (ids(150), None))):
+            decodes = tuple(chunk(seq, slots[seq], [last[seq]], n + step) for seq, n in enumerate(lengths))
+            prompts = (chunk(3, slots[3], new, 0),) if step == 0 else (chunk(5, slots[3], new, 0),)
+            later = (chunk(4, slots[4], rest, 70),) if rest else ()
+            plan = StepPlan(decodes + prompts + later)
+            assert graphs._mixed.fits(plan.chunks) and not graphs._graphs.fits(plan.chunks)
+            want = eager.execute(plan).logprobs
+            got = graphs.execute(plan).logprobs
+            assert set(got) == set(want) == {c.seq_id for c in plan.chunks}
+            for seq in want:
+                w, g = want[seq][0], got[seq][0]
+                assert g.token_id == w.token_id
+                assert set(g.top_logprobs) == set(w.top_logprobs)
+                assert all(abs(g.top_logprobs[t] - w.top_logprobs[t]) < 2e-2 for t in w.top_logprobs)
+            for seq in range(len(lengths)):
+                last[seq] = want[seq][0].token_id
+        assert sorted(graphs._mixed.graphs) == [64, 128, 192, 256]

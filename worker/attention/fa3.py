@@ -58,6 +58,10 @@ class FA3KVCache(FlashAttnKVCache):
     """Every sequence of a step in one FA3 call over the virtual cache's slots as pages; an all-decode step on
     flash-attn's split-KV kernel by slot where FA3 has no decode tiles, or the batch is larger than they serve best."""
 
+    # A mixed step is one call whose tiles FA3 finds on the device from cu_seqlens_q and the lengths, given the same
+    # shapes and bound on the query length at every call: it can be replayed in a CUDA graph (worker/mixed_graphs.py).
+    graphs_mixed = True
+
     def __init__(self):
         fa3 = import_fa3()  # first: without FA3 the error names it, not flash-attn
         self._fa3, self._fa3_schedule = fa3.flash_attn_with_kvcache, fa3.get_scheduler_metadata

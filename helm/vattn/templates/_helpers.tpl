@@ -106,6 +106,7 @@ applications:
       enable_prefix_caching: {{ .Values.engine.enablePrefixCaching }}
       deterministic: {{ .Values.engine.deterministic }}
       eager_slots: {{ .Values.engine.eagerSlots }}
+      mixed_graph_tokens: {{ .Values.engine.mixedGraphTokens }}
       num_replicas: {{ .Values.serve.numReplicas }}
       ingress_replicas: {{ .Values.serve.ingressReplicas }}
       max_pending: {{ .Values.serve.maxPending }}
