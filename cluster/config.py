@@ -76,9 +76,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # With CUDA graphs, steps of up to this many tokens that prefill replay graphs too, where the attention backend
     # runs a mixed step in one call (fa3; worker/mixed_graphs.py): under arrivals spread in time a new prompt beside the
-    # running decodes made an eager step whose launch outlasted its kernels. 0: such steps run eagerly. (vLLM's
-    # nearest: max_cudagraph_capture_size.)
-    mixed_graph_tokens: int = 2048
+    # running decodes made an eager step whose launch outlasted its kernels. 0: such steps run eagerly, the default
+    # until the graphs are measured on a GPU (docs/performance.md); 2048 covers a 512-token prompt beside 1,500 decode
+    # rows. (vLLM's nearest: max_cudagraph_capture_size.)
+    mixed_graph_tokens: int = 0
     seed: int = 0
     progress: bool = False
     tensor_parallel_size: int = 1

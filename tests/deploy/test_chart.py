@@ -168,8 +168,8 @@ def test_free_slots_are_prepared_by_default_and_a_value_turns_it_off():
         assert ServeArgs.parse(app["args"]).engine().eager_slots == slots
 
 
-def test_mixed_step_graphs_are_on_by_default_and_a_value_turns_them_off():
-    for values, tokens in (({}, 2048), ({"engine": {"mixedGraphTokens": 0}}, 0)):
+def test_mixed_step_graphs_are_off_by_default_and_a_value_turns_them_on():
+    for values, tokens in (({}, 0), ({"engine": {"mixedGraphTokens": 2048}}, 2048)):
         (app,) = yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"])["applications"]
         assert ServeArgs.parse(app["args"]).engine().mixed_graph_tokens == tokens
 
