@@ -4,13 +4,17 @@ server of its own), one table of every run and the B / A ratio of the sides' mea
     git worktree add /tmp/before HEAD~1
     python bench/serving_ab.py --a /tmp/before --b . --name serving_direct_ab_cpu -- --device cpu --concurrency 1 16
 
-Everything after ``--`` goes to each ``bench/serving.py`` run (its ``--name`` and ``--out`` are this script's).
+Everything after ``--`` goes to each ``bench/serving.py`` run (its ``--name`` and ``--out`` are this script's);
+``--a-args`` / ``--b-args`` add a side's own, for one tree with two settings:
+
+    python bench/serving_ab.py --a . --b . --b-args "--mixed-graph-tokens 2048" -- --device cuda ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -51,6 +55,8 @@ def main() -> None:
     p.add_argument("--a", type=Path, required=True, help="the tree to compare against (e.g. a worktree of HEAD~1)")
     p.add_argument("--b", type=Path, required=True)
     p.add_argument("--order", default="ABBA", help="the runs, in order (each letter a side)")
+    p.add_argument("--a-args", default="", help="bench/serving.py arguments for side A only (one string)")
+    p.add_argument("--b-args", default="", help="... for side B only")
     p.add_argument("--name", default="serving_ab")
     p.add_argument("--out", type=Path, default=report.RESULTS)
     p.add_argument("serving_args", nargs=argparse.REMAINDER, help="-- then bench/serving.py's arguments")
@@ -59,10 +65,11 @@ def main() -> None:
     if set(args.order) - {"A", "B"} or not {"A", "B"} <= set(args.order):
         sys.exit(f"--order must use both A and B and nothing else, got {args.order!r}")
     trees = {"A": args.a.resolve(), "B": args.b.resolve()}
+    own = {"A": shlex.split(args.a_args), "B": shlex.split(args.b_args)}
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for k, side in enumerate(args.order):
-            result = run(trees[side], serving_args, Path(tmp), f"run{k}")
+            result = run(trees[side], serving_args + own[side], Path(tmp), f"run{k}")
             runs.append({"side": side, "levels": result["levels"]})
     headers = ["run", "side", "level", "output tok/s", *(f"{key.removesuffix('_s')} {stat} ms" for key, stat in MEASURES)]
     rows, means = [], {}
@@ -78,7 +85,8 @@ def main() -> None:
         ratios[label] = dict(zip(headers[3:], (y / x for x, y in zip(a, b))))
         rows.append(["B / A", "", label, *ratios[label].values()])
     report.write(args.name, headers, rows, {"trees": {s: {"path": str(t), "revision": revision(t)} for s, t in trees.items()},
-                                            "order": args.order, "serving_args": serving_args, "runs": runs,
+                                            "order": args.order, "serving_args": serving_args, "side_args": own,
+                                            "runs": runs,
                                             "ratios_b_over_a": ratios}, args.out)
 
 

@@ -107,7 +107,7 @@ def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_serv
     args = argparse.Namespace(prefixes=32, prefix_len=2048, input=256, output=128, max_num_seqs=256,
                               max_num_batched_tokens=8192, vllm_site="/v", kv_memory_gib=40, device="cuda",
                               dtype="bfloat16", profile=[], profile_rates=[], work=Path("/w"),
-                              ingress_replicas=2)
+                              ingress_replicas=2, mixed_graph_tokens=2048)
     assert peer_serving.dataset_args(args) == [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "2048", "--prefix-repetition-suffix-len",
         "256", "--prefix-repetition-num-prefixes", "32", "--prefix-repetition-output-len", "128"]
@@ -118,6 +118,7 @@ def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_serv
         assert ("--ingress-replicas" in command) == (side == "vattn")  # vattn's HTTP fronts; vLLM has one API server
     vattn, _ = peer_serving.server_command("vattn", Path("/m"), args)
     assert vattn[vattn.index("--ingress-replicas") + 1] == "2"
+    assert vattn[vattn.index("--mixed-graph-tokens") + 1] == "2048"
     profiled, _ = peer_serving.server_command("vllm", Path("/m"), argparse.Namespace(**vars(args) | {"profile": [64]}))
     config = json.loads(profiled[profiled.index("--profiler-config") + 1])  # vLLM's torch profiler, idle until asked
     assert config["profiler"] == "torch" and config["torch_profiler_dir"] == "/w/vllm_traces"
