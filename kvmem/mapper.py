@@ -74,6 +74,13 @@ class Cleanup:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(eq=False)
+class Drain:
+    """Queued behind everything else: set once the thread reached it."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class AsyncMapper:
     """One persistent thread that executes ``MappingPlan``s against a cache, and undoes the mappings of pages let go of
     (``clean``) while nothing else needs the cache.
@@ -85,7 +92,7 @@ class AsyncMapper:
 
     def __init__(self, cache: SlotCache):
         self._cache = cache
-        self._queue: queue.SimpleQueue[MappingPlan | Cleanup | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[MappingPlan | Cleanup | Drain | None] = queue.SimpleQueue()
         self._unobserved: set[MappingPlan] = set()
         self._cleanup: Cleanup | None = None  # queued and not started: another clean() joins it
         self._clean_error: BaseException | None = None
@@ -97,6 +104,9 @@ class AsyncMapper:
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
+            if isinstance(item, Drain):
+                item.done.set()
+                continue
             if isinstance(item, Cleanup):
                 self._cleanup = None  # a clean() from now on queues one more: these pages may be done with by then
                 try:
@@ -136,6 +146,16 @@ class AsyncMapper:
         self._unobserved.add(plan)
         self._queue.put(plan)
         return plan
+
+    def drain(self) -> None:
+        """Return once the thread has run every plan and cleanup queued so far: until the next ``submit`` or ``clean``
+        it makes no driver call (a CUDA graph's capture must meet none from another thread). A plan's error is still
+        raised by its ``wait``."""
+        if self._closed:
+            raise KVCacheError("AsyncMapper is closed")
+        drain = Drain()
+        self._queue.put(drain)
+        drain.done.wait()
 
     def wait(self, plan: MappingPlan, record: bool = True) -> float:
         """Return once every page of ``plan`` is mapped; raises the plan's first error. Returns the seconds

@@ -54,10 +54,20 @@ class StepGraphs:
         self.outputs.clear()
         self.pool = None
 
-    def _ready(self) -> None:
-        """Capture every size on first use: before a step's inputs go in, as the captures pad them all."""
-        if not self.graphs:
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    def capture(self) -> None:
+        """Capture every size, unless done already (``run`` does it at its first step, before that step's inputs go
+        in: the captures pad them all). A capture that fails leaves none: the next call tries them all again."""
+        if self.graphs:
+            return
+        try:
             self._capture_all()
+        except BaseException:
+            self.close()
+            raise
 
     def _replay(self, size: int) -> torch.Tensor:
         self.graphs[size].replay()
@@ -127,7 +137,7 @@ class DecodeGraphs(StepGraphs):
         the last layer's output without them (``logits=False``, a stage before the last: read it before the next
         replay); ``fill``: a ``TokenFill`` of tokens still on the device; ``hidden``: the previous stage's output,
         a row per chunk (a stage after the first)."""
-        self._ready()
+        self.capture()
         b = len(chunks)
         size = next(s for s in self.sizes if s >= b)
         pad = size - b

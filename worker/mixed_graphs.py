@@ -28,13 +28,17 @@ from worker.rope import rope_for
 from worker.staging import to_device
 
 #: Token counts mixed-step graphs are captured for: multiples of 64 up to 1024 (a 512-token prompt beside up to ~500
-#: decode rows pads by under 64), then coarser. A step of more tokens runs eagerly: its kernels outlast its launch.
+#: decode rows pads by under 64), then coarser up to 2048 (``mixed_graph_tokens``' suggested cap: a step of more
+#: tokens runs long enough on the device for its eager launch to hide behind it).
 TOKEN_BUCKETS = (*range(64, 1025, 64), 1280, 1536, 1792, 2048)
+PAST_BUCKETS = 512  # the step between sizes past ``TOKEN_BUCKETS``' last
 
 
 def token_sizes(max_tokens: int) -> list[int]:
-    """The buckets of ``TOKEN_BUCKETS`` up to ``max_tokens``, and ``max_tokens`` itself where it is not one."""
-    return sorted({b for b in TOKEN_BUCKETS if b < max_tokens} | {max_tokens})
+    """The sizes of graphs of up to ``max_tokens`` tokens: ``TOKEN_BUCKETS``, multiples of ``PAST_BUCKETS`` past
+    them, and ``max_tokens`` itself."""
+    past = range(TOKEN_BUCKETS[-1] + PAST_BUCKETS, max_tokens, PAST_BUCKETS)
+    return sorted({b for b in (*TOKEN_BUCKETS, *past) if b < max_tokens} | {max_tokens})
 
 
 def mixed_inputs(chunks, size: int, max_seqs: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +88,7 @@ class MixedGraphs(StepGraphs):
         """Replay a mixed step: the last layer's output ``[tokens, hidden]``, a row per token of ``chunks`` (read it
         before the next replay); ``fill``: a ``TokenFill`` of tokens still on the device; ``hidden``: the previous
         stage's output (a stage after the first)."""
-        self._ready()
+        self.capture()
         n = sum(len(c.token_ids) for c in chunks)
         size = next(s for s in self.sizes if s >= n)
         tokens, seqs = mixed_inputs(chunks, size, self.max_seqs, self.scratch)

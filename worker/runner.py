@@ -243,6 +243,18 @@ class ModelRunner:
                              (logits[:2], SamplingParams(top_k=2, top_p=0.5, min_p=0.1))):
             sample(rows, [params] * 2, [noise_keys(0, 0, 0)] * 2)
 
+    @property
+    def graphs_captured(self) -> bool:
+        """Whether every kind of CUDA graph this runner replays is captured (True with none)."""
+        return all(g.captured for g in (self._graphs, self._mixed) if g is not None)
+
+    def capture_graphs(self) -> None:
+        """Capture every CUDA graph this runner replays (each kind does so at its first step otherwise): at a step
+        whose sequences' pages, the scratch slot's included, are mapped; every TP rank at the same step."""
+        for graphs in (self._graphs, self._mixed):
+            if graphs is not None:
+                graphs.capture()
+
     def close(self) -> None:
         """Release the CUDA graphs, if any."""
         for graphs in (self._graphs, self._mixed):

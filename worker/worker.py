@@ -281,6 +281,11 @@ class Worker:
                                       f"rank {c.tp_rank} stops with it")
         if not step.seq_ids:
             return PendingOutput(step.step, None, None)
+        if not self.runner.graphs_captured:
+            # Once, at the first step (the scratch slot's page mapped by its operations): every kind at once, not at
+            # the first step of each, and with the mapper idle -- a capture must meet no other thread's driver calls.
+            self.mapper.drain()
+            self.runner.capture_graphs()
         ahead = self.mapper.submit(MappingPlan(step.ahead, *step.eager))
         try:
             with self.profiler.phase("queue"):

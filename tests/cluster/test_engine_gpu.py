@@ -196,7 +196,7 @@ def test_prefix_caching_on_cuda_vmm_gives_the_tokens_computed_without_it(attenti
 
 
 def test_mixed_step_graphs_give_the_eager_steps_tokens():
-    """FA3 mixed-step graphs (the default with CUDA graphs) against the same steps run eagerly: prompts chunked under a
+    """FA3 mixed-step graphs (``mixed_graph_tokens``) against the same steps run eagerly: prompts chunked under a
     256-token budget beside running decodes, async scheduling (tokens filled in on the device), shared prefixes
     (cached pages under the chunks), a small pool."""
     needs_attention("fa3")

@@ -25,6 +25,27 @@ def test_plan_is_mapped_in_the_background(cache_factory):
     check_invariants(cache)
 
 
+def test_drain_returns_once_the_thread_has_run_everything_queued_before_it(cache_factory):
+    cache = cache_factory()
+    tpp = tokens_per_page(cache)
+    slots = [cache.alloc_slot() for _ in range(2)]
+    mapper = AsyncMapper(cache)
+    with cache._lock:  # the thread blocks in the first plan: drain must wait for it and the one after
+        first = mapper.submit(MappingPlan({slots[0]: 2 * tpp}))
+        second = mapper.submit(MappingPlan({slots[1]: tpp}))
+        drained = threading.Thread(target=mapper.drain)
+        drained.start()
+        time.sleep(0.05)
+        assert drained.is_alive() and not first.done
+    drained.join(timeout=30)
+    assert not drained.is_alive() and first.done and second.done
+    assert [cache.num_tokens(s) for s in slots] == [2 * tpp, tpp]
+    assert cache.stats().stall_seconds == 0.0  # no plan was waited for
+    mapper.close()
+    with pytest.raises(KVCacheError, match="AsyncMapper is closed"):
+        mapper.drain()
+
+
 def test_wait_runs_what_the_thread_has_not_started_and_counts_the_stall(cache_factory):
     cache = cache_factory()
     tpp = tokens_per_page(cache)

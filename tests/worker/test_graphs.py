@@ -99,7 +99,7 @@ def test_a_mixed_steps_inputs_pad_tokens_to_the_scratch_slot_and_sequences_to_no
 def test_mixed_step_sizes_step_by_64_tokens_then_coarser_up_to_the_cap():
     assert token_sizes(2048) == list(TOKEN_BUCKETS)
     assert token_sizes(600) == [64, 128, 192, 256, 320, 384, 448, 512, 576, 600]
-    assert token_sizes(8192)[-2:] == [2048, 8192]
+    assert token_sizes(3000) == [*TOKEN_BUCKETS, 2560, 3000]  # past 2048 by 512: a step of 2049 pads to 2560
 
 
 def test_mixed_step_graphs_need_a_backend_that_runs_a_mixed_step_in_one_call():
@@ -115,42 +115,56 @@ def test_mixed_step_graphs_need_a_backend_that_runs_a_mixed_step_in_one_call():
 @pytest.mark.gpu
 def test_mixed_graph_replay_matches_the_eager_step():
     """Steps of decode rows beside a new prompt and a prompt's later chunk, replayed from FA3 mixed-step graphs of two
-    sizes, against the same steps run eagerly: the same tokens and logprobs (near-ties aside)."""
+    sizes, against the same steps run eagerly, each on slots of its own: the same tokens and logprobs (near-ties
+    aside), and then the same decode step read over the K/V each wrote (a graph that wrote them elsewhere fails it)."""
     needs_attention("fa3")
     config = replace(PRESETS["tiny"], hidden_size=1024, intermediate_size=2048, num_layers=3, num_heads=8,
                      num_kv_heads=8, head_dim=128)
     model = random_model(config, torch.bfloat16, "cuda")
-    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, torch.bfloat16, 8, 1024, "mega", 2 << 20)
-    with VirtualKVCache(spec, 24 * spec.num_buffers * spec.page_size, make_vmm("cuda")) as cache:
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, torch.bfloat16, 16, 1024, "mega", 2 << 20)
+    with VirtualKVCache(spec, 32 * spec.num_buffers * spec.page_size, make_vmm("cuda")) as cache:
         impl = get_backend("fa3", "cuda")
         eager = ModelRunner(model, cache, impl, "cuda")
         scratch = cache.alloc_slot()
         cache.ensure(scratch, 1)
-        graphs = ModelRunner(model, cache, impl, "cuda", graph_batch=6, scratch_slot=scratch, mixed_tokens=256)
-        gen = torch.Generator().manual_seed(0)
-        ids = lambda n: torch.randint(0, 256, (n,), generator=gen).tolist()  # noqa: E731
-        slots = [cache.alloc_slot() for _ in range(5)]
-        for slot in slots:
+        runners = {"eager": eager,
+                   "graphs": ModelRunner(model, cache, impl, "cuda", graph_batch=6, scratch_slot=scratch, mixed_tokens=256)}
+        slots = {path: [cache.alloc_slot() for _ in range(6)] for path in runners}
+        for slot in sum(slots.values(), []):
             cache.ensure(slot, 400)
-        lengths, last = [37, 150, 9], {}
-        for seq, n in enumerate(lengths):  # three sequences decoding
-            last[seq] = eager.execute(StepPlan((chunk(seq, slots[seq], ids(n), 0),))).sampled[seq][0]
-        first = ids(120)  # a prompt whose first chunk ran in a step before
-        eager.execute(StepPlan((replace(chunk(4, slots[4], first[:70], 0), num_samples=0),)))
-        for step, (new, rest) in enumerate(((ids(40), first[70:]), (ids(150), None))):
-            decodes = tuple(chunk(seq, slots[seq], [last[seq]], n + step) for seq, n in enumerate(lengths))
-            prompts = (chunk(3, slots[3], new, 0),) if step == 0 else (chunk(5, slots[3], new, 0),)
-            later = (chunk(4, slots[4], rest, 70),) if rest else ()
-            plan = StepPlan(decodes + prompts + later)
-            assert graphs._mixed.fits(plan.chunks) and not graphs._graphs.fits(plan.chunks)
-            want = eager.execute(plan).logprobs
-            got = graphs.execute(plan).logprobs
-            assert set(got) == set(want) == {c.seq_id for c in plan.chunks}
+        gen = torch.Generator().manual_seed(0)
+
+        def ids(n: int) -> list[int]:
+            return torch.randint(0, 256, (n,), generator=gen).tolist()
+
+        def plan(path: str, steps: list[tuple[int, list[int], int, int]]) -> StepPlan:
+            """(sequence, its tokens, their start, draws): sequence i in slot i of the path's own."""
+            return StepPlan(tuple(replace(chunk(seq, slots[path][seq], tokens, start), num_samples=draws)
+                                  for seq, tokens, start, draws in steps))
+
+        def both(steps, runner: str | None = None) -> dict:
+            """The step on both paths' slots (by their own runner, or both by ``runner``): eager's logprobs, after
+            checking the other path's against them."""
+            want = runners[runner or "eager"].execute(plan("eager", steps)).logprobs
+            got = runners[runner or "graphs"].execute(plan("graphs", steps)).logprobs
+            assert set(got) == set(want) == {seq for seq, _, _, draws in steps if draws}
             for seq in want:
                 w, g = want[seq][0], got[seq][0]
                 assert g.token_id == w.token_id
                 assert set(g.top_logprobs) == set(w.top_logprobs)
                 assert all(abs(g.top_logprobs[t] - w.top_logprobs[t]) < 2e-2 for t in w.top_logprobs)
-            for seq in range(len(lengths)):
-                last[seq] = want[seq][0].token_id
-        assert sorted(graphs._mixed.graphs) == [64, 128, 192, 256]
+            return {seq: w[0].token_id for seq, w in want.items()}
+
+        lengths, prompts = {0: 37, 1: 150, 2: 9}, {3: ids(40), 4: ids(120), 5: ids(150)}
+        last = both([(seq, ids(n), 0, 1) for seq, n in lengths.items()], runner="eager")  # three decoding, same K/V
+        both([(4, prompts[4][:70], 0, 0)], runner="eager")  # a prompt whose first chunk ran before
+        # step 1: 3 decodes, a new prompt, the later chunk (93 tokens: the 128-token graph)
+        steps = [(seq, [last[seq]], n, 1) for seq, n in lengths.items()]
+        last |= both(steps + [(3, prompts[3], 0, 1), (4, prompts[4][70:], 70, 1)])
+        # step 2: 5 decodes over what step 1 wrote, a new prompt (155 tokens: the 192-token graph)
+        at = {**{seq: n + 1 for seq, n in lengths.items()}, 3: 40, 4: 120}
+        last |= both([(seq, [last[seq]], at[seq], 1) for seq in at] + [(5, prompts[5], 0, 1)])
+        # step 3, eager on both paths' slots: each reads the K/V its own path wrote in steps 1 and 2
+        at = {seq: n + 1 for seq, n in at.items()} | {5: 150}
+        both([(seq, [last[seq]], at[seq], 1) for seq in at], runner="eager")
+        assert sorted(runners["graphs"]._mixed.graphs) == [64, 128, 192, 256]
