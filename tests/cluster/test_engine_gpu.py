@@ -195,18 +195,28 @@ def test_prefix_caching_on_cuda_vmm_gives_the_tokens_computed_without_it(attenti
         assert same >= 0.9 * sum(map(len, want)), f"only {same} of {sum(map(len, want))} tokens agree"
 
 
+def heads_128_model(layers: int):
+    """``layers`` layers of 8 x 128 K/V heads (FA3's and FlashInfer's head size), random bf16 weights, on the GPU."""
+    config = replace(PRESETS["tiny"], hidden_size=1024, intermediate_size=2048, num_layers=layers, num_heads=8,
+                     num_kv_heads=8, head_dim=128)
+    return random_model(config, torch.bfloat16, "cuda")
+
+
+def shared_prefix_prompts(rng: random.Random, systems: int, shortest: int, longest: int, suffix: int) -> list[list[int]]:
+    """24 prompts: a cut (1 to ``longest`` tokens) of one of ``systems`` shared prompts of ``shortest``-``longest``
+    tokens, then 1 to ``suffix`` of their own."""
+    shared = [[rng.randrange(3, 500) for _ in range(rng.randint(shortest, longest))] for _ in range(systems)]
+    return [rng.choice(shared)[: rng.randint(1, longest)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, suffix))]
+            for _ in range(24)]
+
+
 def test_mixed_step_graphs_give_the_eager_steps_tokens():
     """FA3 mixed-step graphs (``mixed_graph_tokens``) against the same steps run eagerly: prompts chunked under a
     256-token budget beside running decodes, async scheduling (tokens filled in on the device), shared prefixes
     (cached pages under the chunks), a small pool."""
     needs_attention("fa3")
-    config = replace(PRESETS["tiny"], hidden_size=1024, intermediate_size=2048, num_layers=3, num_heads=8,
-                     num_kv_heads=8, head_dim=128)
-    model = random_model(config, torch.bfloat16, "cuda")
-    rng = random.Random(2)
-    systems = [[rng.randrange(3, 500) for _ in range(rng.randint(100, 300))] for _ in range(3)]
-    prompts = [rng.choice(systems)[: rng.randint(1, 300)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]
-               for _ in range(24)]
+    model = heads_128_model(3)
+    prompts = shared_prefix_prompts(random.Random(2), 3, 100, 300, 200)
     runs, used = {}, {}
     for tokens in (0, 2048):
         with LLM(model, attention="fa3", mixed_graph_tokens=tokens, dtype="bfloat16", device="cuda", max_num_seqs=8,
@@ -234,13 +244,8 @@ def test_kernels_read_nothing_past_a_256_token_guard_or_in_unbacked_space(layout
     lengths end sequences at every offset of a page; shared prefixes and a pool a third of the demand (reclaim,
     eviction, preemption)."""
     needs_attention(attention)
-    config = replace(PRESETS["tiny"], hidden_size=1024, intermediate_size=2048, num_layers=8, num_heads=8,
-                     num_kv_heads=8, head_dim=128)
-    model = random_model(config, torch.bfloat16, "cuda")
-    rng = random.Random(1)
-    systems = [[rng.randrange(3, 500) for _ in range(rng.randint(200, 900))] for _ in range(4)]
-    prompts = [rng.choice(systems)[: rng.randint(1, 900)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 300))]
-               for _ in range(24)]
+    model = heads_128_model(8)
+    prompts = shared_prefix_prompts(random.Random(1), 4, 200, 900, 300)
     runs = {}
     for backing in (dict(kv_guard_tokens=None), dict(kv_guard_tokens=256), dict(zero_unmapped=False)):
         with LLM(model, kv_layout=layout, attention=attention, cuda_graphs=graphs, dtype="bfloat16", device="cuda",
