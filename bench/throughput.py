@@ -165,7 +165,7 @@ def run_engine(model, run: str, prompts, output: int, kv_memory: int, batched_to
                   async_scheduling=overlap, cuda_graphs=graphs, **parallel)
     begun = time.perf_counter()
     with switched_env(switches), LLM(model, **(engine | options)) as llm:
-        startup = time.perf_counter() - begun  # weights, KV pool, the runner's warm-ups (graphs come at the first decode)
+        startup = time.perf_counter() - begun  # weights, KV pool, the runner's warm-ups, the CUDA graphs' captures
         # Warm-up at full batch: prefill chunks of the real size and batch-wide decode steps, so that
         # allocator growth and kernel selection for these shapes stay out of the timing. Its pages stay
         # mapped (deferred reclamation), in both engines alike.

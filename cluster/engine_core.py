@@ -113,6 +113,9 @@ class EngineCore:
         self.num_rebuilds = 0
         self.last_step: StepInfo | None = None
         self._reset_scheduler()
+        # The ledger's first operations (the CUDA graphs' scratch slot) now: the workers capture their graphs at them,
+        # here, not in the first request's step.
+        self.flush()
 
     def _reset_scheduler(self) -> None:
         self.ledger = self.plan.new_ledger()

@@ -279,13 +279,13 @@ class Worker:
             c = self.config
             raise error or PeerFailed(f"TP rank {failed} of stage {c.pp_rank} failed step {step.step} (its log has why); "
                                       f"rank {c.tp_rank} stops with it")
-        if not step.seq_ids:
-            return PendingOutput(step.step, None, None)
         if not self.runner.graphs_captured:
-            # Once, at the first step (the scratch slot's page mapped by its operations): every kind at once, not at
-            # the first step of each, and with the mapper idle -- a capture must meet no other thread's driver calls.
+            # Once, at the first message (the engine's first flush: the scratch slot's page mapped by its operations),
+            # every kind at once, and with the mapper idle -- a capture must meet no other thread's driver calls.
             self.mapper.drain()
             self.runner.capture_graphs()
+        if not step.seq_ids:
+            return PendingOutput(step.step, None, None)
         ahead = self.mapper.submit(MappingPlan(step.ahead, *step.eager))
         try:
             with self.profiler.phase("queue"):

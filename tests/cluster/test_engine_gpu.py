@@ -221,6 +221,7 @@ def test_mixed_step_graphs_give_the_eager_steps_tokens():
     for tokens in (0, 2048):
         with LLM(model, attention="fa3", mixed_graph_tokens=tokens, dtype="bfloat16", device="cuda", max_num_seqs=8,
                  max_num_batched_tokens=256, max_model_len=768, kv_memory=48 << 20) as llm:
+            assert llm.core.executor.worker.runner.graphs_captured  # when the engine started, before any request
             runs[tokens] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
             torch.cuda.synchronize()
             assert llm.core.ledger.accounting() == llm.cache.accounting()
