@@ -32,9 +32,10 @@ def padded_rows(n: int) -> int:
 
 
 class StepGraphs:
-    """What the kinds of step graphs share: every size captured at once on first use, the largest first into one
-    memory pool, in lock-step with the other TP ranks; a subclass says what a size's step runs (``_forward``) and
-    what its inputs hold while nothing real is in them (``_pad_all``)."""
+    """What the kinds of step graphs share: every size captured at once (``capture``: the worker calls it at its first
+    message, ``run`` at its first step where nobody did), the largest first into one memory pool, in lock-step with
+    the other TP ranks; a subclass says what a size's step runs (``_forward``) and what its inputs hold while nothing
+    real is in them (``_pad_all``)."""
 
     def __init__(self, model: Transformer, cache, backend: AttentionBackend, rope_table: torch.Tensor, sizes,
                  scratch: int, tp: TPGroup):
