@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -31,7 +32,7 @@ def padded_rows(n: int) -> int:
     return next((b for b in BATCH_BUCKETS if b >= n), -(-n // 128) * 128)
 
 
-class StepGraphs:
+class StepGraphs(ABC):
     """What the kinds of step graphs share: every size captured at once (``capture``: the worker calls it at its first
     message, ``run`` at its first step where nobody did), the largest first into one memory pool, in lock-step with
     the other TP ranks; a subclass says what a size's step runs (``_forward``) and what its inputs hold while nothing
@@ -84,11 +85,13 @@ class StepGraphs:
         self.tp.barrier(self.device)  # no rank replays a graph while another still captures (NCCL hangs: 2xH200)
         logger.debug("captured %d %s in %.0f ms", len(self.sizes), type(self).__name__, 1e3 * (time.perf_counter() - start))
 
+    @abstractmethod
     def _pad_all(self) -> None:
-        raise NotImplementedError
+        """Fill the inputs with padding only, what every capture runs over."""
 
+    @abstractmethod
     def _forward(self, size: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The step of ``size`` rows over the inputs, as the graph replays it; its output."""
 
     def _capture(self, size: int) -> None:
         side = torch.cuda.Stream(self.device)
