@@ -4,8 +4,8 @@ tokens and to the decode graphs' sequence count, replayed instead of launching t
 Under arrivals spread in time, every few steps holds a new prompt beside the running decodes. On the H200 (llama-3-8b
 shape, `bench/results/vattn_poisson_profile_h200.json`) such a step of 512 prompt tokens and 30-50 decode rows ran
 13-16 ms of kernels, and its eager launch took the host 30-58 ms under the profiler, while the device waited: our
-TPOT at 20 requests/s was 9.5-11.2 ms against vLLM's 6.5-7.4 ms, which replays graphs for such steps (piecewise,
-attention outside). FlashAttention-3 runs a whole mixed step as one varlen call whose tiles its persistent scheduler
+TPOT at 20 requests/s was 9.5-11.2 ms against vLLM's 6.5-7.4 ms, whose compiled steps replay piecewise graphs
+(attention outside them). FlashAttention-3 runs a whole mixed step as one varlen call whose tiles its persistent scheduler
 finds on the device from the sequences' lengths, so here the attention is inside the graph too: only backends that
 say so (``graphs_mixed``: the ``fa3`` one) get these graphs.
 
