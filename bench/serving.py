@@ -47,7 +47,8 @@ class Sample:
 
 
 #: The server's own latency histograms (vLLM's names; vattn's carry its prefix instead of ``vllm:``).
-ENGINE_HISTOGRAMS = ("time_to_first_token_seconds", "request_queue_time_seconds", "e2e_request_latency_seconds")
+ENGINE_HISTOGRAMS = ("time_to_first_token_seconds", "request_queue_time_seconds", "e2e_request_latency_seconds",
+                     "request_ingress_seconds", "first_token_pickup_seconds")  # the last two: the serving path's
 
 
 def engine_totals(metrics_text: str) -> dict[str, tuple[float, float]]:

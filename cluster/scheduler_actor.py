@@ -14,7 +14,7 @@ from cluster.engine_core import EngineCore, Prompt
 from cluster.errors import EngineDeadError, EngineDrainingError, WorkerGroupError
 from cluster.outputs import RequestOutput
 from cluster.ray_executor import RayExecutor
-from cluster.telemetry import EngineSnapshot
+from cluster.telemetry import TTFT_BUCKETS, EngineSnapshot, Histogram
 from kvmem.stats import PageMap, SlotAccounting
 from worker.heap import freeze_heap
 from worker.sampling import SamplingParams
@@ -23,6 +23,10 @@ from worker.tokenizer import load_tokenizer
 
 #: Seconds a finished request's output waits for its client before it is dropped (a client that went away).
 UNCLAIMED_OUTPUT_S = 300.0
+#: Histograms a scheduler actor adds to its engine's snapshot: seconds from a request's HTTP front taking it in to this
+#: actor queueing it (``AddCall.received``), and from its first token's output being buffered here to a client's poll
+#: taking it. With the engine's own TTFT they split what a client sees.
+PATH_HISTOGRAMS = ("request_ingress_seconds", "first_token_pickup_seconds")
 
 # The calls every request and every step make send no task events to the GCS. It keeps the last 100,000 tasks'
 # events: serving tiny on CPU (bench/soak.py) it grew from 245 to 363 MiB over the first 20 minutes, to that cap.
@@ -42,6 +46,7 @@ class AddCall:
     request_ids: tuple[str, ...]
     consumer: str
     cache_salt: str | None = None
+    received: float | None = None  # when the client took the requests in (``time.time()``): the way in is measured
 
     def engine_prompts(self) -> list[Prompt]:
         """What ``EngineCore.prepare`` takes: the salt beside each prompt."""
@@ -69,6 +74,10 @@ class SchedulerActor:
         self._unclaimed: dict[str, float] = {}  # finished request -> when its final output was buffered
         self._rebuilding = False
         self._draining = False
+        # A request's way from its HTTP front to the engine, and its first token's from the engine to a client's poll:
+        # the serving path's share of TTFT, which the engine's own histograms do not see (``PATH_HISTOGRAMS``).
+        self._path = {name: Histogram(TTFT_BUCKETS) for name in PATH_HISTOGRAMS}
+        self._made: dict[str, float | None] = {}  # request -> when its first token's output was buffered; None: taken
         try:
             engine_plan = plan(config, model_config(config.model), config.device)
             tokenizer = load_tokenizer(config.model, engine_plan.model.eos_token_ids, config.tokenizer,
@@ -99,6 +108,11 @@ class SchedulerActor:
         self._check_alive()
         prompts = call.engine_prompts()
         self.add_requests(prompts, [call.params] * len(prompts), call.stream, list(call.request_ids), call.consumer)
+        if call.received is not None:  # the client's clock: another host's, maybe a little apart
+            way_in = max(0.0, time.time() - call.received)
+            with self._cond:
+                for _ in call.request_ids:
+                    self._path["request_ingress_seconds"].observe(way_in)
 
     @hot
     def add_many(self, calls: list[AddCall]) -> list[BaseException | None]:
@@ -171,11 +185,14 @@ class SchedulerActor:
                 if left <= 0:
                     return []
                 self._cond.wait(left)
-            out = []
+            out, now = [], time.monotonic()
             for i in list(self._selected(request_ids, consumer)):
                 if self._outputs.get(i):
                     newest = self._outputs[i][-1]
                     self._outputs[i] = []
+                    if (made := self._made.get(i)) is not None:
+                        self._path["first_token_pickup_seconds"].observe(now - made)
+                        self._made[i] = None
                     if newest.finished:
                         self._forget(i)
                     elif consumer is not None and newest.prompt_logprobs is None:  # an echo's logprobs need them
@@ -193,6 +210,7 @@ class SchedulerActor:
         del self._outputs[request_id]
         self._streamed.discard(request_id)
         self._unclaimed.pop(request_id, None)
+        self._made.pop(request_id, None)
         for consumer, ids in list(self._consumers.items()):
             ids.discard(request_id)
             if not ids:
@@ -220,8 +238,12 @@ class SchedulerActor:
 
     @hot
     def snapshot(self) -> EngineSnapshot:
+        """The engine core's, with this actor's ``PATH_HISTOGRAMS``."""
         with self._core_lock:
-            return self.core.snapshot()
+            snapshot = self.core.snapshot()
+        with self._cond:
+            path = {name: h.copy() for name, h in self._path.items()}
+        return replace(snapshot, histograms=snapshot.histograms | path)
 
     def page_maps(self) -> dict[tuple[int, int], PageMap]:
         """Every worker's page map, by (pp_rank, tp_rank): what /dashboard draws."""
@@ -292,6 +314,8 @@ class SchedulerActor:
         for o in outputs:
             if o.request_id in self._outputs:
                 self._outputs[o.request_id].append(o)
+                if o.request_id not in self._made and any(c.token_ids for c in o.outputs):
+                    self._made[o.request_id] = now
                 if o.finished:
                     self._unclaimed[o.request_id] = now
         for request_id, since in list(self._unclaimed.items()):

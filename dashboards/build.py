@@ -198,6 +198,11 @@ def serving() -> Dashboard:
             panel("Queue time p50 / p99", "Arrival to the first schedule: how long requests wait for KV memory "
                   "and a batch slot.", "s",
                   quantiles("vattn:request_queue_time_seconds", s, by, "{{model_name}}")),
+            panel("Serving path p50 / p99", "What a client's time to first token holds beyond the engine's: the "
+                  "way in (the HTTP front taking a request in, to the engine queueing it) and the first token's "
+                  "pickup (the engine buffering it, to the front's poll taking it).", "s",
+                  quantiles("vattn:request_ingress_seconds", s, by, "{{model_name}} in")
+                  + quantiles("vattn:first_token_pickup_seconds", s, by, "{{model_name}} pickup")),
         ]),
         ("Throughput", [
             panel("Prompt and generation tokens per second", "Prompt tokens (of requests that got their first "

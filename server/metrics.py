@@ -40,6 +40,8 @@ HISTOGRAMS = {
     "e2e_request_latency_seconds": "Seconds from arrival to the end of a request.",
     "request_queue_time_seconds": "Seconds from arrival to the first schedule.",
     "iteration_tokens_total": "Tokens per engine step.",
+    "request_ingress_seconds": "Seconds from the HTTP front taking a request in to the engine queueing it.",
+    "first_token_pickup_seconds": "Seconds from the engine buffering a request's first token to a client's poll taking it.",
 }
 WORKER_GAUGES = {
     "kv_reserved_bytes": ("Virtual address space reserved for the KV cache (paged: the block pool).", lambda w: w.reserved_bytes),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class OutputCollector:
         model's chat template instead of ``prompts``; ``cache_salt``: the prefix cache's (see ``EngineCore.prepare``).
         Bad input raises ``ValueError`` before anything is queued.
         Closing the generator early aborts the requests still running (their memory is freed at once)."""
+        received = time.time()  # the way to the engine starts here (``AddCall.received``)
         prompts = await self.tokenized(prompts, chat, tools)
         ids = [uuid.uuid4().hex for _ in prompts]
         queue: asyncio.Queue = asyncio.Queue()
@@ -82,7 +84,8 @@ class OutputCollector:
         index = {request_id: k for k, request_id in enumerate(ids)}
         live, scheduler = set(ids), None
         try:
-            scheduler = await self._add(AddCall(prompts, params, stream, tuple(ids), self.consumer, cache_salt))
+            scheduler = await self._add(AddCall(prompts, params, stream, tuple(ids), self.consumer, cache_salt,
+                                                received))
             self._live.setdefault(scheduler.name, set()).update(ids)
             self._poll(scheduler)
             while live:

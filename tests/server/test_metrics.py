@@ -61,6 +61,9 @@ def test_prometheus_scrapes_every_documented_metric(server, tmp_path):
         assert float(query("vattn:generation_tokens_total")[0]["value"][1]) > before  # counters moved
         assert float(query('sum(vattn:request_success_total{finished_reason="length"})')[0]["value"][1]) >= 12
         assert float(query("vattn:time_to_first_token_seconds_count")[0]["value"][1]) >= 12
+        # the serving path's share of TTFT: every request's way in, and its first token's pickup
+        assert float(query("vattn:request_ingress_seconds_count")[0]["value"][1]) >= 12
+        assert float(query("vattn:first_token_pickup_seconds_count")[0]["value"][1]) >= 12
         assert float(query("vattn:prompt_tokens_total")[0]["value"][1]) > 0
         assert float(query("sum(vattn:kv_pages_mapped_total)")[0]["value"][1]) > 0
         (worker,) = query("vattn:kv_mapped_bytes")
