@@ -249,8 +249,8 @@ class ModelRunner:
         return all(g.captured for g in (self._graphs, self._mixed) if g is not None)
 
     def capture_graphs(self) -> None:
-        """Capture every CUDA graph this runner replays (each kind does so at its first step otherwise): at a step
-        whose sequences' pages, the scratch slot's included, are mapped; every TP rank at the same step."""
+        """Capture every CUDA graph this runner replays, unless done (each kind does so at its first step otherwise):
+        once the scratch slot's page is mapped; every TP rank at the same point of its messages."""
         for graphs in (self._graphs, self._mixed):
             if graphs is not None:
                 graphs.capture()

@@ -154,6 +154,7 @@ class Worker:
                                       warm_rows=c.warm_rows, mixed_tokens=c.mixed_graph_tokens)
             self.swap = SwapSpace(self.cache) if c.swap else None
             self.mapper = AsyncMapper(self.cache)
+            self._graphs_ready = False  # the runner's CUDA graphs, captured at the first message (``launch``)
         except BaseException:
             self.cache.close()  # a failed allocation leaves no reservation behind
             self.cache = None
@@ -279,11 +280,12 @@ class Worker:
             c = self.config
             raise error or PeerFailed(f"TP rank {failed} of stage {c.pp_rank} failed step {step.step} (its log has why); "
                                       f"rank {c.tp_rank} stops with it")
-        if not self.runner.graphs_captured:
+        if not self._graphs_ready:
             # Once, at the first message (the engine's first flush: the scratch slot's page mapped by its operations),
             # every kind at once, and with the mapper idle -- a capture must meet no other thread's driver calls.
             self.mapper.drain()
             self.runner.capture_graphs()
+            self._graphs_ready = True
         if not step.seq_ids:
             return PendingOutput(step.step, None, None)
         ahead = self.mapper.submit(MappingPlan(step.ahead, *step.eager))
