@@ -6,9 +6,12 @@
 # /tmp and the job in it (a job was lost that way on 2026-11-27, between the start and the first poll).
 #
 #   here, once:      tools/gpu_chain.sh prepare [--vllm]
-#   calls 1-4:       carry [".gpu/vllm/pK"]               bash tools/gpu_chain.sh vllm-part K      (with --vllm only)
-#   call 5:          carry [".sdist", ".gpu/vllm/p5"]     bash tools/gpu_chain.sh builds [pytest args]
-#                    (".gpu/vllm/p5" with --vllm only; the builds and vLLM's install run in the background, the GPU
+#   calls 1..N-1:    carry [".gpu/vllm/pK"]               bash tools/gpu_chain.sh vllm-part K      (with --vllm only)
+#   call N:          carry [".sdist", ".gpu/vllm/pN"]     bash tools/gpu_chain.sh builds [pytest args]
+#                    (N: vLLM's last part, the one with install.sh: `prepare --vllm` cuts the bundle into parts of
+#                    VLLM_PART_MIB so that a part and the working tree fit the 64 MiB a call carries -- the tree had
+#                    grown to 13 MB on 2026-11-29, and the bundle's own 52 MiB parts no longer fit beside it;
+#                    ".gpu/vllm/pN" with --vllm only; the builds and vLLM's install run in the background, the GPU
 #                    tests named by the pytest args meanwhile, their log in $OUT)
 #   call 6:          carry [".gpu/ray1"]                  bash tools/gpu_chain.sh ray1
 #   call 6b:         carry [".gpu/vcache", ".gpu/serve2"] bash tools/gpu_chain.sh caches
@@ -34,6 +37,7 @@ fa_sdist=flash_attn-2.8.3.post2.tar.gz
 fa3_src=fa3_hopper_v2.8.3.post1.tar.gz
 cutlass_src=cutlass_dc48179_include.tar.gz
 cutlass_rev=dc4817921edda44a549197ff3a9dcf5df0636e7b
+VLLM_PART_MIB=${VLLM_PART_MIB:-40}
 
 prepare() {
   cd "$root" || exit 1
@@ -63,15 +67,36 @@ prepare() {
     hopper > .sdist/$fa3_src || { rm -f .sdist/$fa3_src; echo "fetch github:Dao-AILab/flash-attention first" >&2; exit 1; }
   [ -f .sdist/$cutlass_src ] || git -C $cutlass archive --format=tar.gz --prefix=cutlass/ $cutlass_rev include \
     > .sdist/$cutlass_src || { rm -f .sdist/$cutlass_src; echo "fetch github:NVIDIA/cutlass first" >&2; exit 1; }
-  if [ "${1:-}" = --vllm ] && [ ! -f .gpu/vllm/p5/SHA ]; then ../shared/tools/gpu_vllm_bundle.sh || exit 1; fi
+  if [ "${1:-}" = --vllm ]; then
+    ls .gpu/vllm/p*/SHA >/dev/null 2>&1 || ../shared/tools/gpu_vllm_bundle.sh || exit 1
+    recut_vllm || exit 1
+  fi
   du -sh .gpu/* .sdist
+}
+
+recut_vllm() {  # the bundle's parts joined and cut again into parts of VLLM_PART_MIB, with an install.sh that joins them
+  local dir=.gpu/vllm new=.gpu/vllm.recut n k
+  local parts=($(ls $dir/p*/part* | sort -V))
+  [ $(du -m --apparent-size "${parts[0]}" | cut -f1) -le $VLLM_PART_MIB ] && return 0
+  rm -rf $new && mkdir -p $new/all
+  cat "${parts[@]}" | split -b ${VLLM_PART_MIB}M -d -a 2 - $new/all/part || return 1
+  n=$(ls $new/all | wc -l)
+  for k in $(seq $n); do mkdir $new/p$k && mv $new/all/part$(printf %02d $((k - 1))) $new/p$k/; done
+  cp $dir/p*/SHA $new/p$n/ && rmdir $new/all
+  # The bundle's install.sh names its five parts; this one joins whichever parts were cut, in order.
+  sed -e "s#ls /tmp/vc/part0 .*>/dev/null#[ \$(ls /tmp/vc/part?? | wc -l) = $n ]#" \
+      -e "s#cat /tmp/vc/part0 .* > /tmp/vc/b.tgz#cat /tmp/vc/part?? > /tmp/vc/b.tgz#" \
+      -e "s#carry p1..p5 again#carry p1..p$n again#" $dir/p*/install.sh > $new/p$n/install.sh
+  grep -q "part??" $new/p$n/install.sh || { echo "vLLM's install.sh changed: recut_vllm cannot adapt it" >&2; return 1; }
+  rm -rf $dir && mv $new $dir && du -sh $dir/p*
 }
 
 builds() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-  if [ -d .gpu/vllm/p5 ]; then
-    [ -f /tmp/vc/part0 ] || { echo "vLLM's parts 1-4 are not in /tmp/vc: the machine went cold; start again" >&2; exit 3; }
-    cp .gpu/vllm/p5/* /tmp/vc/
+  local last  # vLLM's last part, install.sh's (the folders of the calls before may still be there, emptied or not)
+  if last=$(ls .gpu/vllm/p*/install.sh 2>/dev/null) && [ -n "$last" ]; then
+    [ -f /tmp/vc/part00 ] || { echo "vLLM's first parts are not in /tmp/vc: the machine went cold; start again" >&2; exit 3; }
+    cp "$(dirname "$last")"/* /tmp/vc/
     (setsid nohup bash -c 'bash /tmp/vc/install.sh; echo $? > /tmp/vllm_install.rc' > /tmp/vllm_install.log 2>&1 &)
   fi
   mkdir -p /tmp/build && cp .sdist/* /tmp/build/
@@ -147,5 +172,6 @@ case $cmd in
   job) job "$@";;
   step) step "$@";;
   poll) poll "$@";;
-  *) sed -n 2,26p "$0"; exit 2;;
+  recut-vllm) cd "$root" && recut_vllm;;
+  *) sed -n 2,29p "$0"; exit 2;;
 esac

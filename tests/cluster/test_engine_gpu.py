@@ -213,7 +213,10 @@ def shared_prefix_prompts(rng: random.Random, systems: int, shortest: int, longe
 def test_mixed_step_graphs_give_the_eager_steps_tokens():
     """FA3 mixed-step graphs (``mixed_graph_tokens``) against the same steps run eagerly: prompts chunked under a
     256-token budget beside running decodes, async scheduling (tokens filled in on the device), shared prefixes
-    (cached pages under the chunks), a small pool."""
+    (cached pages under the chunks), a small pool. Each sequence's tokens agree up to where the eager run had a
+    near-tie: the graphs' matmuls run padded shapes, whose bf16 sums round otherwise, so a 3-layer random model's flat
+    logits flip a token now and then and the sequence goes its own way from there (on the H200 840 of 960 tokens
+    agreed). A graph that read or wrote the wrong rows gives a token the eager run did not nearly pick."""
     needs_attention("fa3")
     model = heads_128_model(3)
     prompts = shared_prefix_prompts(random.Random(2), 3, 100, 300, 200)
@@ -222,16 +225,23 @@ def test_mixed_step_graphs_give_the_eager_steps_tokens():
         with LLM(model, attention="fa3", mixed_graph_tokens=tokens, dtype="bfloat16", device="cuda", max_num_seqs=8,
                  max_num_batched_tokens=256, max_model_len=768, kv_memory=48 << 20) as llm:
             assert llm.core.executor.worker.runner.graphs_captured  # when the engine started, before any request
-            runs[tokens] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+            runs[tokens] = [o.outputs[0].logprobs for o in llm.generate(prompts, replace(GREEDY, logprobs=2))]
             torch.cuda.synchronize()
             assert llm.core.ledger.accounting() == llm.cache.accounting()
             mixed = llm.core.executor.worker.runner._mixed
             used[tokens] = None if mixed is None else sorted(mixed.graphs)
     assert used[0] is None and used[2048] == list(TOKEN_BUCKETS[:4])  # sizes up to the step budget, all captured
-    got, want = runs[2048], runs[0]
-    assert [g[0] for g in got] == [w[0] for w in want]
-    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-    assert same >= 0.9 * sum(map(len, want)), f"only {same} of {sum(map(len, want))} tokens agree"
+    assert [g[0].token_id for g in runs[2048]] == [w[0].token_id for w in runs[0]]
+    flips = 0
+    for got, want in zip(runs[2048], runs[0], strict=True):
+        assert len(got) == len(want) == NEW_TOKENS
+        for g, w in zip(got, want):
+            assert abs(g.logprob - w.logprob) < 0.1 or g.token_id != w.token_id, (g, w)
+            if g.token_id != w.token_id:  # the eager run's second choice, within a hair of its first
+                assert g.token_id in w.top_logprobs and w.logprob - w.top_logprobs[g.token_id] < 0.05, (g, w)
+                flips += 1
+                break
+    assert flips <= len(prompts) // 3, f"{flips} of {len(prompts)} sequences went another way"
 
 
 @pytest.mark.parametrize(("layout", "attention", "graphs"), [
