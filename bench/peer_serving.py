@@ -78,7 +78,8 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
     return [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(PORT),
             "--served-model-name", SERVED, "--device", args.device, "--dtype", args.dtype,
             "--kv-memory", f"{int(args.kv_memory_gib * 1024)}MiB", "--ingress-replicas", str(args.ingress_replicas),
-            "--mixed-graph-tokens", str(args.mixed_graph_tokens), *shared], env
+            *([] if args.mixed_graph_tokens is None else ["--mixed-graph-tokens", str(args.mixed_graph_tokens)]),
+            *shared], env
 
 
 def wait_ready(process: subprocess.Popen, timeout: float) -> float:
@@ -483,8 +484,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="vattn's")
     parser.add_argument("--ingress-replicas", type=int, default=1, help="vattn's HTTP front replicas (a burst's requests "
                         "and the streams are spread over them)")
-    parser.add_argument("--mixed-graph-tokens", type=int, default=0, help="vattn's: steps that prefill, up to this "
-                        "many tokens, replay CUDA graphs (0: eagerly)")
+    parser.add_argument("--mixed-graph-tokens", type=int, default=None, help="vattn's: steps that prefill, up to "
+                        "this many tokens, replay CUDA graphs (0: eagerly; default: the engine's)")
     parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
     parser.add_argument("--profile", type=int, nargs="*", default=[], help="after the clients, drive each server "
                         "with `vllm bench serve` at these concurrencies while its processes are sampled (py-spy, CPU "

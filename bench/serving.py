@@ -175,7 +175,9 @@ def start_server(args) -> tuple[str, str]:
     serve_args = {"model": args.model, "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs,
                   "max_model_len": args.prefix_len + args.input + args.output + 8, "max_n": 1, "max_pending": 100_000,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                  "enable_prefix_caching": args.enable_prefix_caching, "mixed_graph_tokens": args.mixed_graph_tokens}
+                  "enable_prefix_caching": args.enable_prefix_caching}
+    if args.mixed_graph_tokens is not None:
+        serve_args["mixed_graph_tokens"] = args.mixed_graph_tokens
     if args.device:
         serve_args["device"] = args.device
     serve_args["ingress_replicas"] = args.ingress_replicas
@@ -214,7 +216,8 @@ def main() -> None:
     p.add_argument("--page-size")
     p.add_argument("--load-format", help="dummy: random weights for a model directory with only its config.json")
     p.add_argument("--ingress-replicas", type=int, default=1)
-    p.add_argument("--mixed-graph-tokens", type=int, default=0, help="the engine's (steps that prefill in CUDA graphs)")
+    p.add_argument("--mixed-graph-tokens", type=int, default=None,
+                   help="the engine's (steps that prefill in CUDA graphs; default: the engine's)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256], help="none: --rates only")

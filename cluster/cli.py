@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from cluster.config import DTYPES, STRATEGIES, parse_size as _size
+from cluster.config import DTYPES, MIXED_GRAPH_TOKENS, STRATEGIES, parse_size as _size
 from cluster.errors import PlacementError
 from cluster.engine import LLM
 from kvmem.spec import LAYOUTS
@@ -73,9 +73,10 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement-strategy", choices=STRATEGIES, default="STRICT_PACK")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV of prompt prefixes earlier requests computed (vLLM's flag; default on)")
-    parser.add_argument("--mixed-graph-tokens", type=int, default=0,
+    parser.add_argument("--mixed-graph-tokens", type=int, default=None,
                         help="with CUDA graphs, steps of up to this many tokens that prefill replay graphs too, where "
-                             "the attention backend allows it (fa3; e.g. 2048); 0, the default: they run eagerly")
+                             f"the attention backend allows it (fa3); 0: they run eagerly. Default: {MIXED_GRAPH_TOKENS} "
+                             "on one GPU, 0 with --tp / --pp above 1")
     parser.add_argument("--eager-slots", type=int, default=64,
                         help="free slots kept holding pages for the next new requests, so that their prompts map "
                              "nothing in their step (virtual layouts; 0: off)")

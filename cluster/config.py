@@ -76,10 +76,11 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # With CUDA graphs, steps of up to this many tokens that prefill replay graphs too, where the attention backend
     # runs a mixed step in one call (fa3; worker/mixed_graphs.py): under arrivals spread in time a new prompt beside the
-    # running decodes made an eager step whose launch outlasted its kernels. 0: such steps run eagerly, the default
-    # until the graphs are measured on a GPU (docs/performance.md); 2048 covers a 512-token prompt beside 1,500 decode
-    # rows. (vLLM's nearest: max_cudagraph_capture_size.)
-    mixed_graph_tokens: int = 0
+    # running decodes made an eager step whose launch outlasted its kernels (on the H200 at 40 requests/s: TPOT p50
+    # 0.53x, TTFT p50 0.60x with them, bench/results/serving_mixed_graphs_ab_h200.json). 0: such steps run eagerly.
+    # None: MIXED_GRAPH_TOKENS on one GPU; 0 across GPUs (TP/PP), where the graphs have not been run yet.
+    # (vLLM's nearest: max_cudagraph_capture_size.)
+    mixed_graph_tokens: int | None = None
     seed: int = 0
     progress: bool = False
     tensor_parallel_size: int = 1
@@ -196,6 +197,10 @@ class EnginePlan:
             if scratch != self.workers[0].scratch_slot:
                 raise AssertionError(f"the graphs' scratch slot is {scratch}, the workers expect {self.workers[0].scratch_slot}")
         return ledger
+
+
+#: ``EngineConfig.mixed_graph_tokens``' default on one GPU: a 512-token prompt beside 1,500 decode rows.
+MIXED_GRAPH_TOKENS = 2048
 
 
 def _fastest(layout: str, head_dim: int) -> str:
@@ -365,8 +370,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if isinstance(config.eager_slots, bool) or not isinstance(config.eager_slots, int) or config.eager_slots < 0:
         raise ValueError(f"eager_slots must be an int >= 0 (0: off), got {config.eager_slots!r}")
     mixed = config.mixed_graph_tokens
-    if isinstance(mixed, bool) or not isinstance(mixed, int) or mixed < 0:
-        raise ValueError(f"mixed_graph_tokens must be an int >= 0 (0: off), got {mixed!r}")
+    if mixed is not None and (isinstance(mixed, bool) or not isinstance(mixed, int) or mixed < 0):
+        raise ValueError(f"mixed_graph_tokens must be None or an int >= 0 (0: off), got {mixed!r}")
     rows = config.tp_overlap_rows
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"tp_overlap_rows must be an int >= 0 (0: off), got {rows!r}")
@@ -407,6 +412,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
     if config.gpu_memory_utilization is not None and device != "cuda":
         raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} sizes the KV pool by GPU memory; "
                          f"device is {device!r} (set kv_memory or kv_memory_fraction)")
+    if mixed is None:
+        mixed = MIXED_GRAPH_TOKENS if tp == pp == 1 else 0
     workers = tuple(
         WorkerConfig(config.model, dtype, device, specs[p], None, attention, ranges[p], p, t, tp,
                      scheduler.step_seqs if graphs else 0, 0 if graphs else None, swap=config.preemption_mode == "swap",

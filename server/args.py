@@ -42,7 +42,7 @@ class ServeArgs(BaseModel):
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name)
     deterministic: bool = False  # batch-invariant kernels: a request's tokens do not depend on the batch
     eager_slots: int = Field(64, ge=0)  # free slots kept holding pages for new requests' prompts (0: off)
-    mixed_graph_tokens: int = Field(0, ge=0)  # steps that prefill, up to this many tokens, in CUDA graphs (0: eager)
+    mixed_graph_tokens: int | None = Field(None, ge=0)  # steps that prefill, up to this many, in CUDA graphs (0: eager; EngineConfig)
     num_replicas: int = Field(1, ge=1)
     ingress_replicas: int = Field(1, ge=1)  # HTTP front replicas: each takes a CPU, and SSE chunks cost CPU
     api_key: str | list[str] | None = None

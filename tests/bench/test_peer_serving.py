@@ -119,6 +119,8 @@ def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_serv
     vattn, _ = peer_serving.server_command("vattn", Path("/m"), args)
     assert vattn[vattn.index("--ingress-replicas") + 1] == "2"
     assert vattn[vattn.index("--mixed-graph-tokens") + 1] == "2048"
+    default, _ = peer_serving.server_command("vattn", Path("/m"), argparse.Namespace(**vars(args) | {"mixed_graph_tokens": None}))
+    assert "--mixed-graph-tokens" not in default  # the engine's own default
     profiled, _ = peer_serving.server_command("vllm", Path("/m"), argparse.Namespace(**vars(args) | {"profile": [64]}))
     config = json.loads(profiled[profiled.index("--profiler-config") + 1])  # vLLM's torch profiler, idle until asked
     assert config["profiler"] == "torch" and config["torch_profiler_dir"] == "/w/vllm_traces"

@@ -372,9 +372,11 @@ def test_mixed_step_graphs_go_to_every_worker_with_graphs_up_to_a_steps_tokens()
         config = EngineConfig("llama-3-8b", device="cuda", attention="fa3", distributed="ray", **kw)
         return [w.mixed_graph_tokens for w in plan(config, PRESETS["llama-3-8b"], "cuda").workers]
 
-    assert tokens(mixed_graph_tokens=2048, tensor_parallel_size=2) == [2048] * 2
-    assert tokens(mixed_graph_tokens=2048, max_num_batched_tokens=1024) == [1024]  # no step has more
-    assert tokens() == tokens(mixed_graph_tokens=2048, cuda_graphs=False) == [0]
+    assert tokens() == [2048]  # on by default on one GPU
+    assert tokens(tensor_parallel_size=2) == tokens(pipeline_parallel_size=2) == [0] * 2  # not yet run across GPUs
+    assert tokens(mixed_graph_tokens=2048, tensor_parallel_size=2) == [2048] * 2  # unless asked for
+    assert tokens(max_num_batched_tokens=1024) == [1024]  # no step has more
+    assert tokens(mixed_graph_tokens=0) == tokens(mixed_graph_tokens=2048, cuda_graphs=False) == [0]
     assert plan(EngineConfig("tiny", device="cpu"), PRESETS["tiny"], "cpu").workers[0].mixed_graph_tokens == 0
 
 

@@ -453,7 +453,7 @@ def test_an_abort_beside_a_dead_worker_leaves_the_step_loop_serving(others):
         (dict(async_depth=True), r"async_depth must be None or an int in \[2, 4\] \(steps in flight with async scheduling\), "
                                  "got True"),
         (dict(tp_overlap_rows=-1), r"tp_overlap_rows must be an int >= 0 \(0: off\), got -1"),
-        (dict(mixed_graph_tokens=-1), r"mixed_graph_tokens must be an int >= 0 \(0: off\), got -1"),
+        (dict(mixed_graph_tokens=-1), r"mixed_graph_tokens must be None or an int >= 0 \(0: off\), got -1"),
         (dict(pipeline_micro_batches=3), "pipeline_micro_batches must be None or an int >= 1 with "
                                          "pipeline_parallel_size > 1, got 3 with pipeline_parallel_size=1"),
         (dict(pipeline_handoff="nccl"), "pipeline_handoff must be 'auto', 'channel', 'p2p' or 'ring', got 'nccl'"),

@@ -168,9 +168,11 @@ def test_free_slots_are_prepared_by_default_and_a_value_turns_it_off():
         assert ServeArgs.parse(app["args"]).engine().eager_slots == slots
 
 
-def test_mixed_step_graphs_are_off_by_default_and_a_value_turns_them_on():
-    for values, tokens in (({}, 0), ({"engine": {"mixedGraphTokens": 2048}}, 2048)):
+def test_mixed_step_graphs_are_the_engines_default_unless_a_value_is_given():
+    for values, tokens in (({}, None), ({"engine": {"mixedGraphTokens": 0}}, 0),
+                           ({"engine": {"mixedGraphTokens": 1024}}, 1024)):
         (app,) = yaml.safe_load(one(render(values), "RayService")["spec"]["serveConfigV2"])["applications"]
+        assert ("mixed_graph_tokens" in app["args"]) == (tokens is not None)  # 0 is a value: it turns them off
         assert ServeArgs.parse(app["args"]).engine().mixed_graph_tokens == tokens
 
 

@@ -106,7 +106,9 @@ applications:
       enable_prefix_caching: {{ .Values.engine.enablePrefixCaching }}
       deterministic: {{ .Values.engine.deterministic }}
       eager_slots: {{ .Values.engine.eagerSlots }}
+      {{- if not (kindIs "invalid" .Values.engine.mixedGraphTokens) }}
       mixed_graph_tokens: {{ .Values.engine.mixedGraphTokens }}
+      {{- end }}
       num_replicas: {{ .Values.serve.numReplicas }}
       ingress_replicas: {{ .Values.serve.ingressReplicas }}
       max_pending: {{ .Values.serve.maxPending }}
