@@ -375,7 +375,7 @@ class EngineCore:
         forget, self._forget = tuple(self._forget), []
         return StepInput(next(self._messages), tuple(new), forget, ops, plan.needs, tuple(seq_ids), tuple(slots),
                          tuple(starts), tuple(samples), tuple(produced), tuple(tokens), tuple(offsets), allowed, banned,
-                         tuple(late), eager=plan.eager_args)
+                         tuple(late), eager=plan.eager_args, prefixes=plan.prefixes)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

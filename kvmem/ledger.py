@@ -24,6 +24,16 @@ EAGER_PAGES = 16
 EAGER_SHARE = 8
 
 
+def _run_length(pages: list[int], want: list[int]) -> int:
+    """How many of ``want`` ``pages`` holds from its first page on."""
+    n = 0
+    for a, b in zip(pages, want):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 class PageLedger(NumberedSlotCache):
     """Slots, page counts, refcounts and deferred reclamation exactly as a worker's cache keeps them,
     over ``num_pages`` numbered pages that back nothing.
@@ -50,6 +60,7 @@ class PageLedger(NumberedSlotCache):
         # The state in which ``eager_ahead`` last found nothing to do: while it holds, neither will the next call (a
         # walk of every free slot's pages, most steps of a serving loop).
         self._eager_idle: tuple[int, ...] | None = None
+        self.prefix_pages_ahead = 0  # cached prefixes' pages mapped into free slots ahead of their requests
 
     # -- recorded changes ----------------------------------------------------------------------
     def alloc_slot(self, expected_tokens: int = 0, slot: int | None = None) -> int:
@@ -163,12 +174,51 @@ class PageLedger(NumberedSlotCache):
         """Keys of the longest run of ``hashes`` (a sequence's first pages) whose pages are held."""
         return self.prefixes.match(hashes) if self.prefixes is not None else []
 
-    def slot_holding(self, key: int) -> int | None:
-        """A free slot whose first page is already the one held under ``key`` (the request that computed it used
-        that slot): mapping the prefix there maps nothing."""
+    def slot_holding(self, keys: list[int]) -> int | None:
+        """The free slot holding the longest run of the pages held under ``keys`` from its first (the request that
+        computed them used that slot, or they were mapped there ahead: ``prefix_ahead``), the one freed first among
+        equals; None where none holds the first. Mapping the prefix there maps only the rest."""
         with self._lock:
-            first = self._kept[key]
-            return next((i for i, s in enumerate(self._slots) if not s.in_use and s.pages[:1] == [first]), None)
+            pages = [self._kept[key] for key in keys]
+            held = [(_run_length(s.pages, pages), i) for i, s in enumerate(self._slots) if not s.in_use]
+            best = max(held, key=lambda e: (e[0], -e[1]), default=(0, None))
+            return best[1] if best[0] else None
+
+    def prefix_ahead(self, hits: list[list[int]], pages: int) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+        """Free slots for waiting requests' cached prefixes (``hits``: each one's keys, in the order they will be
+        admitted), their pages mapped there ahead (``SlotCache.map_prefixes_ahead``), unrecorded, ``pages`` new
+        mappings at most (a prefix past them is mapped in part: its request maps the rest); returns the
+        ``(slot, keys)`` the workers' mappers do the same with, after the step's ensures and ``eager_ahead``'s plan
+        (None: nothing to do; an empty tuple lets the slots kept by the last call go).
+
+        A request's slot is the free one that holds the longest run of its pages already, else the one mapping the
+        fewest pages (the least to let go of; a slot prepared for a new prompt keeps its own), then the one freed
+        longest ago (its last readers long done)."""
+        with self._lock:
+            by_first: dict[int, list[int]] = {}  # free slots by their first page
+            for i, s in enumerate(self._slots):
+                if not s.in_use and s.pages:
+                    by_first.setdefault(s.pages[0], []).append(i)
+            blank = iter(sorted((i for i, s in enumerate(self._slots) if not s.in_use),
+                                key=lambda i: (len(self._slots[i].pages), self._released[i], i)))
+            chosen: dict[int, tuple[int, ...]] = {}
+            for keys in hits:
+                want = [self._kept[key] for key in keys]
+                held = [(_run_length(self._slots[i].pages, want), i) for i in by_first.get(want[0], ()) if i not in chosen]
+                run, slot = max(held, key=lambda e: (e[0], -self._released[e[1]]), default=(0, None))
+                if slot is None:
+                    if pages <= 0 or (slot := next((i for i in blank if i not in chosen), None)) is None:
+                        continue
+                n = min(len(keys), run + max(pages, 0))
+                if n:
+                    chosen[slot] = tuple(keys[:n])
+                    pages -= n - run
+            if not chosen and not self._premapped:
+                return None
+            prefixes = tuple(chosen.items())
+            self._eager_idle = None  # slots changed hands: what eager preparation found may hold no longer
+            self.prefix_pages_ahead += self.map_prefixes_ahead(prefixes)
+            return prefixes
 
     def map_prefix(self, slot: int, keys: list[int]) -> None:
         """``slot`` (new) starts with the held pages ``keys``: ``SlotCache.map_kept``, recorded."""

@@ -16,15 +16,17 @@ from kvmem.slots import SlotCache
 @dataclass(eq=False)
 class MappingPlan:
     """What the next step needs: slot -> tokens it must hold (each an ``ensure``), then optionally free slots given
-    pages for requests about to arrive: ``SlotCache.eager_map(eager_tokens, eager_slots, eager_pages, eager_drop)``."""
+    pages for requests about to arrive: ``SlotCache.eager_map(eager_tokens, eager_slots, eager_pages, eager_drop)``,
+    then waiting requests' cached prefixes mapped into free slots: ``SlotCache.map_prefixes_ahead(prefixes)`` (None:
+    none; empty: the slots kept for them before are let go)."""
 
     needs: dict[int, int]
     eager_tokens: int = 0
     eager_slots: int = 0
     eager_pages: int | None = None
     eager_drop: tuple[int, ...] = ()
-    _items: list[tuple[int, int]] = field(init=False, repr=False)
-    _total: int = field(init=False, repr=False)  # the ensures, and the eager mapping if any
+    prefixes: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    _items: list[tuple[str, tuple]] = field(init=False, repr=False)  # (the cache's method, its arguments)
     _next: int = field(default=0, init=False, repr=False)  # items started
     _errors: list[BaseException] = field(default_factory=list, init=False, repr=False)
     # Held while an item runs: one at a time, in the plan's order, whichever thread runs it -- an ensure may reclaim
@@ -33,9 +35,12 @@ class MappingPlan:
     _done: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._items = list(self.needs.items())
-        self._total = len(self._items) + (1 if self.eager_slots else 0)
-        if not self._total:
+        self._items = [("ensure", need) for need in self.needs.items()]
+        if self.eager_slots:
+            self._items.append(("eager_map", self.eager_args))
+        if self.prefixes is not None:
+            self._items.append(("map_prefixes_ahead", (self.prefixes,)))
+        if not self._items:
             self._done.set()
 
     @property
@@ -52,17 +57,15 @@ class MappingPlan:
         """Run the next item; False when none is left."""
         with self._lock:
             index = self._next
-            if index >= self._total:
+            if index >= len(self._items):
                 return False
             self._next += 1
+            name, args = self._items[index]
             try:
-                if index < len(self._items):
-                    cache.ensure(*self._items[index])
-                else:
-                    cache.eager_map(self.eager_tokens, self.eager_slots, self.eager_pages, self.eager_drop)
+                getattr(cache, name)(*args)
             except BaseException as exc:  # surfaces in wait(); never lost in the thread
                 self._errors.append(exc)
-            if self._next == self._total:
+            if self._next == len(self._items):
                 self._done.set()
             return True
 

@@ -94,6 +94,9 @@ class SlotCache(ABC):
         # When each slot was last freed or emptied (a count of such events): queued work may still read the latest.
         self._released = [0] * spec.max_slots
         self._releases = 0
+        # Free slots holding a waiting request's cached prefix, mapped ahead of its admission (``map_prefixes_ahead``):
+        # kept for it, not prepared for others or best fit for them.
+        self._premapped: set[int] = set()
 
     # -- what a subclass provides -------------------------------------------------------------
     @abstractmethod
@@ -192,12 +195,14 @@ class SlotCache(ABC):
                 slot = self._best_fit(need)
             state = self._slots[slot]
             state.in_use, state.tokens, state.expected = True, 0, expected_tokens
+            self._premapped.discard(slot)
             return slot
 
     def _best_fit(self, need: int) -> int:
         free = [i for i, s in enumerate(self._slots) if not s.in_use]
         if not free:
             raise KVCacheError(f"no free slot: all {self.spec.max_slots} slots are in use")
+        free = [i for i in free if i not in self._premapped] or free  # a prefix mapped ahead waits for its request
         own = {i: self._own_pages(self._slots[i]) for i in free}
         fits = [i for i in free if own[i] >= need]
         if fits:
@@ -272,8 +277,9 @@ class SlotCache(ABC):
 
     def _eager_order(self, need: int) -> list[tuple[int, int]]:
         """Free slots and the pages each holds alone from its first (``need`` at most), in the order ``eager_map``
-        prepares them."""
-        free = [(i, self._own_pages(s, need)) for i, s in enumerate(self._slots) if not s.in_use]
+        prepares them (none holding a prefix mapped ahead)."""
+        free = [(i, self._own_pages(s, need)) for i, s in enumerate(self._slots)
+                if not s.in_use and i not in self._premapped]
         released = self._released
         free.sort(key=lambda e: (-e[1], released[e[0]], e[0]))
         return free
@@ -409,6 +415,28 @@ class SlotCache(ABC):
             self._link_run(slot, pages[len(state.pages) :])
             state.tokens = self.spec.tokens_within(len(keys))
             state.expected = max(state.expected, state.tokens)
+
+    def map_prefixes_ahead(self, prefixes: tuple[tuple[int, tuple[int, ...]], ...]) -> int:
+        """For each ``(slot, keys)``: make the first pages of free slot ``slot`` the pages held under ``keys`` (a
+        waiting request's cached prefix, or its first part), mapped now -- on a worker's mapper thread, beside a step
+        -- so that the request, given that slot (``slot_holding``), maps nothing in its own step's launch. The slot's
+        own pages there are let go; those past them stay, for its request to write over or let go of. These slots, and
+        no others, are then kept for their requests: no ``eager_map`` preparation or best fit takes them. Returns the
+        pages mapped."""
+        with self._lock:
+            for slot, keys in prefixes:
+                if not 0 <= slot < len(self._slots) or self._slots[slot].in_use:
+                    raise ValueError(f"map_prefixes_ahead: slot {slot!r} is not a free slot of 0..{len(self._slots) - 1}")
+                if missing := [k for k in keys if k not in self._kept]:
+                    raise KVCacheError(f"map_prefixes_ahead: no page is kept under keys {missing}")
+            mapped = 0
+            for slot, keys in prefixes:
+                state, pages = self._slots[slot], [self._kept[key] for key in keys]
+                mapped += sum(a != b for a, b in zip(state.pages, pages)) + max(0, len(pages) - len(state.pages))
+                self._replace_run(slot, pages)
+                self._link_run(slot, pages[len(state.pages):])
+            self._premapped = {slot for slot, _ in prefixes}
+            return mapped
 
     def drop_kept(self, keys: tuple[int, ...] | list[int]) -> None:
         """Let go of the pages held under ``keys``; those nothing else references go back to the pool."""

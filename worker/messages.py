@@ -60,6 +60,9 @@ class StepInput:
     # ``SlotCache.eager_map``'s arguments (tokens, slots, pages, drop), run after ``ahead``: free slots given pages
     # for the requests to come (``PageLedger.eager_ahead``); empty: none.
     eager: tuple = ()
+    # ``SlotCache.map_prefixes_ahead``'s (slot, keys) pairs, run after those: waiting requests' cached prefixes mapped
+    # into free slots (``PageLedger.prefix_ahead``); None: none.
+    prefixes: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)

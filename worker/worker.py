@@ -288,7 +288,7 @@ class Worker:
             self._graphs_ready = True
         if not step.seq_ids:
             return PendingOutput(step.step, None, None)
-        ahead = self.mapper.submit(MappingPlan(step.ahead, *step.eager))
+        ahead = self.mapper.submit(MappingPlan(step.ahead, *step.eager, prefixes=step.prefixes))
         try:
             with self.profiler.phase("queue"):
                 launched = self.runner.launch(plan, inputs)

@@ -87,6 +87,8 @@ def test_greedy_tokens_are_the_same_with_prefix_caching_on_and_off(layout, case)
             runs[caching] = [_tokens(llm.generate(prompts, params)) for _ in range(2)]
             s = llm.scheduler
             assert (s.prefix_hits > 0) == caching
+            # requests waiting behind the running ones had their prefixes mapped ahead, where slots keep pages
+            assert (llm.core.ledger.prefix_pages_ahead > 0) == (caching and layout != "paged")
             if case.startswith("oversubscribed"):
                 assert s.num_preemptions > 0
             assert llm.core.ledger.accounting() == llm.cache.accounting()

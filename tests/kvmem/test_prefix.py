@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvmem import AsyncMapper, KVCacheError, KVCacheExhausted, VirtualKVCache
+from kvmem import AsyncMapper, KVCacheError, KVCacheExhausted, MappingPlan, VirtualKVCache
 from kvmem.ledger import PageLedger
 from kvmem.ops import DropKept, Ensure, KeepPage, MapKept, apply_ops
 from kvmem.prefix import PrefixIndex, extend_page_hashes
@@ -199,7 +199,7 @@ def test_the_ledger_evicts_cached_pages_nothing_holds_least_recently_used_first_
     ledger, cache = _ledger(6), VirtualKVCache(SPEC, 6 * SPEC.num_buffers * SPEC.page_size)
     first, second = _run(ledger, 32, [b"a0", b"a1"]), _run(ledger, 32, [b"b0", b"b1"])
     hit = ledger.cached_prefix([b"a0", b"a1"])  # a is used again, in the slot holding its pages (as the scheduler does)
-    ledger.map_prefix(ledger.alloc_slot(64, ledger.slot_holding(hit[0])), hit)
+    ledger.map_prefix(ledger.alloc_slot(64, ledger.slot_holding(hit)), hit)
     ops = ledger.take_ops()
     assert [op for op in ops if isinstance(op, KeepPage)] == [KeepPage(first, 0, 0), KeepPage(first, 1, 1),
                                                                KeepPage(second, 0, 2), KeepPage(second, 1, 3)]
@@ -372,3 +372,69 @@ def test_preparing_free_slots_leaves_a_page_for_each_slot_in_use_and_holds_an_ei
     for _ in range(2):
         full.ensure(full.alloc_slot(256), 64)  # 8 pages in use, 2 free: both kept for the slots' growth
     assert full.eager_ahead(16, slots=1) is None
+
+
+def test_a_waiting_requests_cached_prefix_is_mapped_ahead_into_a_free_slot_and_its_admission_maps_nothing():
+    """Two requests wait on one cached prefix of four pages: the first will be given the slot that computed it, the
+    second a free slot into which the mappers map the prefix beside a step (three pages: the budget), which no eager
+    preparation touches; admitted, it maps the fourth only, and reads the first request's K/V. A call that no longer
+    names a slot lets it go (its pages stay); with none kept and none waiting, a call has nothing to do."""
+    spec = KVCacheSpec(2, 2, 16, torch.float32, max_slots=8, max_tokens=256, layout="mega", page_size=4096)
+    ledger = PageLedger(spec, 64, keeps_pages_on_free=True, caches_prefixes=True)
+    cache = VirtualKVCache(spec, 64 * spec.num_buffers * spec.page_size)
+    hashes = [b"p0", b"p1", b"p2", b"p3"]
+    first = ledger.alloc_slot(64)
+    ledger.ensure(first, 64)
+    apply_ops(cache, ledger.take_ops())
+    fill(cache, first, 0, 64, tag=3.0)
+    ledger.cache_pages(first, hashes, 0)
+    ledger.free_slot(first)
+    apply_ops(cache, ledger.take_ops())
+    hit = ledger.cached_prefix(hashes)
+
+    prefixes = ledger.prefix_ahead([hit, hit], pages=3)
+    other = prefixes[1][0]
+    assert prefixes == ((first, tuple(hit)), (other, tuple(hit[:3]))) and other != first
+    assert not ledger.take_ops()  # the plan carries it
+    with AsyncMapper(cache) as mapper:
+        mapper.wait(mapper.submit(MappingPlan({}, prefixes=prefixes)))
+    assert cache.accounting() == ledger.accounting()
+    assert cache._slots[other].pages == cache._slots[first].pages[:3]  # the same pages at the other slot's offsets
+    plan = ledger.eager_ahead(64, slots=8)  # free slots prepared for new prompts: not these two
+    with AsyncMapper(cache) as mapper:
+        mapper.wait(mapper.submit(plan))
+    assert ledger._slots[other].pages == ledger._slots[first].pages[:3] and cache.accounting() == ledger.accounting()
+    kept = ledger.prefix_ahead([hit], pages=0)  # one waiting now: the slot that holds it all, nothing to map
+    assert kept == ((first, tuple(hit)),) and ledger._premapped == {first}
+    with AsyncMapper(cache) as mapper:
+        mapper.wait(mapper.submit(MappingPlan({}, prefixes=kept)))
+    assert cache._premapped == {first} and cache.accounting() == ledger.accounting()
+
+    maps = ledger.counters()[0], cache.counters()[0]
+    for slot in (first, other):
+        taken = ledger.alloc_slot(80, ledger.slot_holding(hit))
+        assert taken == slot
+        ledger.map_prefix(taken, hit)
+        ledger.ensure(taken, 80)
+    assert ledger.counters()[0] - maps[0] == 1 + 2  # the fourth page of the second; one page each past the prefix
+    apply_ops(cache, ledger.take_ops())
+    assert cache.counters()[0] - maps[1] == 3 and cache.accounting() == ledger.accounting()
+    assert_holds(cache, other, 0, 64, tag=3.0)
+    for slot in (first, other):
+        ledger.free_slot(slot)
+    assert ledger.prefix_ahead([], pages=16) is None
+    apply_ops(cache, ledger.take_ops())
+    check_invariants(cache)
+    cache.close()
+
+
+def test_prefixes_mapped_ahead_are_refused_unless_their_slots_are_free_and_their_pages_held(cache_factory):
+    cache = cache_factory("mega", pool_groups=8)
+    slot = cache.alloc_slot(16)
+    cache.ensure(slot, 16)
+    cache.keep(slot, 0, key=0)
+    with pytest.raises(ValueError, match=f"map_prefixes_ahead: slot {slot} is not a free slot of 0..3"):
+        cache.map_prefixes_ahead(((slot, (0,)),))
+    with pytest.raises(KVCacheError, match=r"map_prefixes_ahead: no page is kept under keys \[7\]"):
+        cache.map_prefixes_ahead(((slot + 1, (0, 7)),))
+    assert cache._slots[slot + 1].pages == []  # refused before anything was mapped

@@ -1,7 +1,8 @@
 """A worker's cache replaying its ledger agrees with it after every step of a random serving loop.
 
 The worker's order is fixed: the step's recorded operations first (evictions for the pages mapped ahead among them),
-then the plan's ensures, then its free slots prepared (``eager_map``). The ledger decides in another order -- it
+then the plan's ensures, then its free slots prepared (``eager_map``), then waiting requests' cached prefixes mapped
+into free slots (``map_prefixes_ahead``; the next arrival, when it finds one, is given that slot). The ledger decides in another order -- it
 evicts while it backs, and prepares after -- so every decision has to come out the same either way: prefix caching
 on and off, free slots prepared or not, pools from short (requests fail to be backed and are dropped, as preemption
 does) to roomy. A real host-VMM cache (mmap + memfd) is the worker's."""
@@ -28,6 +29,7 @@ def serve(seed: int, pages: int, caching: bool, eager: bool, steps: int = 150) -
     ledger = PageLedger(SPEC, pages, keeps_pages_on_free=True, caches_prefixes=caching)
     cache = VirtualKVCache(SPEC, pages * SPEC.num_buffers * SPEC.page_size)
     running: dict[int, list] = {}  # slot -> [tokens, the most it grows to, its prefix's page hashes]
+    waiting = [(rng.choice(PREFIXES), rng.randrange(1, 200)) for _ in range(2)]  # the next arrivals, known ahead
 
     def drop(slot: int) -> None:
         tokens, _, hashes = running.pop(slot)
@@ -40,9 +42,10 @@ def serve(seed: int, pages: int, caching: bool, eager: bool, steps: int = 150) -
             for slot in [s for s in running if rng.random() < 0.15]:  # requests end
                 drop(slot)
             if rng.random() < 0.5 and len(running) < SPEC.max_slots:  # one arrives
-                hashes, prompt = rng.choice(PREFIXES), rng.randrange(1, 200)
+                hashes, prompt = waiting.pop(0)
+                waiting.append((rng.choice(PREFIXES), rng.randrange(1, 200)))
                 hit = ledger.cached_prefix(hashes[: SPEC.full_pages(prompt)]) if caching else []
-                slot = ledger.alloc_slot(min(256, prompt + rng.randrange(1, 60)), ledger.slot_holding(hit[0]) if hit else None)
+                slot = ledger.alloc_slot(min(256, prompt + rng.randrange(1, 60)), ledger.slot_holding(hit) if hit else None)
                 if hit:
                     ledger.map_prefix(slot, hit)
                 running[slot] = [ledger.num_tokens(slot), min(256, prompt + rng.randrange(1, 60)), hashes]
@@ -64,11 +67,15 @@ def serve(seed: int, pages: int, caching: bool, eager: bool, steps: int = 150) -
             for slot, tokens in backed.items():
                 running[slot][0] = tokens
             plan = ledger.eager_ahead(rng.choice([40, 100, 200]), 3) if eager else None
+            hits = [ledger.cached_prefix(h[: SPEC.full_pages(p)]) for h, p in waiting] if caching else []
+            prefixes = ledger.prefix_ahead([h for h in hits if h], rng.choice([0, 2, 16])) if caching else None
             apply_ops(cache, ledger.take_ops())
             for slot, tokens in backed.items():
                 cache.ensure(slot, tokens)
             if plan is not None:
                 cache.eager_map(plan.eager_tokens, plan.eager_slots, plan.eager_pages, plan.eager_drop)
+            if prefixes is not None:
+                cache.map_prefixes_ahead(prefixes)
             assert cache.accounting() == ledger.accounting(), f"step {step}"
         check_invariants(cache)
     finally:
