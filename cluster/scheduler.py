@@ -25,6 +25,7 @@ there are stages, by when the last stage has drawn its token, and the scheduler 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,7 @@ from worker.sampling import SampledToken
 #: Waiting requests' cached prefixes are mapped ahead (``Scheduler._prefixes_ahead``) a page for every this many tokens
 #: the step computes, at most: a page of ``llama-3-8b``'s mega layout took 70-150 us to map in the engine on the
 #: H100/H200, a token of its prefill ~23 us of the device's time, so the mapping hides behind the step.
+#: ``VATTN_PREFIX_AHEAD_TOKENS`` sets it, to measure (0: none ahead; ``bench/peer.py``'s ``vattn-noprefixahead``).
 PREFIX_AHEAD_TOKENS = 8
 #: Requests next in line looked at: those the room the running ones leave admits, at least the first (some running
 #: ones end in the step), at most the last (a step's worth of questions on shared prompts; each is looked at again
@@ -116,6 +118,7 @@ class Scheduler:
         # how many of them were found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._prefix_ahead_tokens = int(os.environ.get("VATTN_PREFIX_AHEAD_TOKENS", PREFIX_AHEAD_TOKENS))
         self._fresh: set[int] = set()  # pages cached in this schedule(), their K/V computed in the step it makes
         self.rounds = 0  # steps with a batch scheduled so far
         self._next_seq_id = 0
@@ -345,7 +348,7 @@ class Scheduler:
         device waiting (a step of 32 questions on shared 2-4K-token prompts mapped ~3,000 pages, more than the
         ~200 ms step before it). What is not mapped ahead (``PREFIX_AHEAD_TOKENS``) is mapped at admission, as
         before."""
-        if self.kv.prefixes is None or not self.kv.keeps_pages_on_free:
+        if self.kv.prefixes is None or not self.kv.keeps_pages_on_free or not self._prefix_ahead_tokens:
             return None
         hits, (least, most) = [], PREFIX_AHEAD_REQUESTS
         for seq in itertools.islice(self.waiting, min(max(self.config.max_num_seqs - len(self.running), least), most)):
@@ -354,7 +357,7 @@ class Scheduler:
             if hit := self._cached_prefix(seq):
                 hits.append(hit)
         tokens = sum(s.num_tokens for s in out.scheduled)
-        return self.kv.prefix_ahead(hits, max(EAGER_PAGES, tokens // PREFIX_AHEAD_TOKENS))
+        return self.kv.prefix_ahead(hits, max(EAGER_PAGES, tokens // self._prefix_ahead_tokens))
 
     # -- results -------------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, tuple[int, ...]],

@@ -25,7 +25,7 @@ EAGER_SHARE = 8
 
 
 def _run_length(pages: list[int], want: list[int]) -> int:
-    """How many of ``want`` ``pages`` holds from its first page on."""
+    """How many of ``want``, from its first on, ``pages`` holds at the same places."""
     n = 0
     for a, b in zip(pages, want):
         if a != b:
@@ -176,7 +176,7 @@ class PageLedger(NumberedSlotCache):
 
     def slot_holding(self, keys: list[int]) -> int | None:
         """The free slot holding the longest run of the pages held under ``keys`` from its first (the request that
-        computed them used that slot, or they were mapped there ahead: ``prefix_ahead``), the one freed first among
+        computed them used that slot, or they were mapped there ahead: ``prefix_ahead``), the lowest-numbered among
         equals; None where none holds the first. Mapping the prefix there maps only the rest."""
         with self._lock:
             pages = [self._kept[key] for key in keys]
