@@ -183,6 +183,7 @@ def test_prefix_caching_on_cuda_vmm_gives_the_tokens_computed_without_it(attenti
                  max_num_seqs=8, max_model_len=1024, kv_memory=256 << 20) as llm:
             runs[caching] = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)] for _ in range(2)]
             assert (llm.scheduler.prefix_hits > 0) == caching
+            assert (llm.core.ledger.prefix_pages_ahead > 0) == caching  # 8 running, 8 waiting: mapped ahead of them
             assert llm.core.ledger.accounting() == llm.cache.accounting()
     if dtype == "float32":
         assert runs[True] == runs[False]

@@ -430,10 +430,11 @@ def test_a_waiting_requests_cached_prefix_is_mapped_ahead_into_a_free_slot_and_i
 
 def test_prefixes_mapped_ahead_are_refused_unless_their_slots_are_free_and_their_pages_held(cache_factory):
     cache = cache_factory("mega", pool_groups=8)
-    slot = cache.alloc_slot(16)
-    cache.ensure(slot, 16)
+    page = cache.spec.tokens_within(1)
+    slot = cache.alloc_slot(page)
+    cache.ensure(slot, page)
     cache.keep(slot, 0, key=0)
-    with pytest.raises(ValueError, match=f"map_prefixes_ahead: slot {slot} is not a free slot of 0..3"):
+    with pytest.raises(ValueError, match=f"map_prefixes_ahead: slot {slot} is not a free slot of 0..{cache.spec.max_slots - 1}"):
         cache.map_prefixes_ahead(((slot, (0,)),))
     with pytest.raises(KVCacheError, match=r"map_prefixes_ahead: no page is kept under keys \[7\]"):
         cache.map_prefixes_ahead(((slot + 1, (0, 7)),))
