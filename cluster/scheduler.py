@@ -356,8 +356,8 @@ class Scheduler:
                 break
             if hit := self._cached_prefix(seq):
                 hits.append(hit)
-        tokens = sum(s.num_tokens for s in out.scheduled)
-        return self.kv.prefix_ahead(hits, max(EAGER_PAGES, tokens // self._prefix_ahead_tokens))
+        pages = max(EAGER_PAGES, sum(s.num_tokens for s in out.scheduled) // self._prefix_ahead_tokens) if hits else 0
+        return self.kv.prefix_ahead(hits, pages)
 
     # -- results -------------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, tuple[int, ...]],

@@ -195,6 +195,11 @@ class PageLedger(NumberedSlotCache):
         fewest pages (the least to let go of; a slot prepared for a new prompt keeps its own), then the one freed
         longest ago (its last readers long done)."""
         with self._lock:
+            if not hits:  # a decode step's usual case: nothing waits, or nothing waiting hits
+                if not self._premapped:
+                    return None
+                self.map_prefixes_ahead(())
+                return ()
             by_first: dict[int, list[int]] = {}  # free slots by their first page
             for i, s in enumerate(self._slots):
                 if not s.in_use and s.pages:
