@@ -176,13 +176,17 @@ class PageLedger(NumberedSlotCache):
 
     def slot_holding(self, keys: list[int]) -> int | None:
         """The free slot holding the longest run of the pages held under ``keys`` from its first (the request that
-        computed them used that slot, or they were mapped there ahead: ``prefix_ahead``), the lowest-numbered among
-        equals; None where none holds the first. Mapping the prefix there maps only the rest."""
+        computed them used that slot, or they were mapped there ahead: ``prefix_ahead``), the one freed longest ago
+        among equals; None where none holds the first. Mapping the prefix there maps only the rest."""
         with self._lock:
-            pages = [self._kept[key] for key in keys]
-            held = [(_run_length(s.pages, pages), i) for i, s in enumerate(self._slots) if not s.in_use]
-            best = max(held, key=lambda e: (e[0], -e[1]), default=(0, None))
-            return best[1] if best[0] else None
+            free = (i for i, s in enumerate(self._slots) if not s.in_use and s.pages)
+            return self._longest_holder([self._kept[key] for key in keys], free)[1]
+
+    def _longest_holder(self, pages: list, slots) -> tuple[int, int | None]:
+        """(run, slot): of ``slots``, the one holding the longest run of ``pages`` from its first, the one freed longest
+        ago among equals; (0, None) where none holds the first."""
+        held = [(run, i) for i in slots if (run := _run_length(self._slots[i].pages, pages))]
+        return max(held, key=lambda e: (e[0], -self._released[e[1]]), default=(0, None))
 
     def prefix_ahead(self, hits: list[list[int]], pages: int) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
         """Free slots for waiting requests' cached prefixes (``hits``: each one's keys, in the order they will be
@@ -209,8 +213,7 @@ class PageLedger(NumberedSlotCache):
             chosen: dict[int, tuple[int, ...]] = {}
             for keys in hits:
                 want = [self._kept[key] for key in keys]
-                held = [(_run_length(self._slots[i].pages, want), i) for i in by_first.get(want[0], ()) if i not in chosen]
-                run, slot = max(held, key=lambda e: (e[0], -self._released[e[1]]), default=(0, None))
+                run, slot = self._longest_holder(want, (i for i in by_first.get(want[0], ()) if i not in chosen))
                 if slot is None:
                     if pages <= 0 or (slot := next((i for i in blank if i not in chosen), None)) is None:
                         continue
