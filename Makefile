@@ -26,9 +26,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install -q 'checkov>=3.2.0'
 	touch $@
 
-# PYTHONFAULTHANDLER: a crash in the interpreter's teardown, after pytest's own handler is gone, prints every thread's stack.
 test: $(VENV)/.installed
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu

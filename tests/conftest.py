@@ -3,6 +3,9 @@ same test on CudaVMM and are skipped, with the reason, where no CUDA device is p
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from collections import Counter
 
 import pytest
@@ -11,6 +14,32 @@ import torch
 from kvmem import HostVMM, KVCacheSpec, VirtualKVCache
 
 BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+_SESSION = pytest.StashKey[pytest.Session]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End the process here, every result reported, without the interpreter's teardown: Ray 2.60 leaves its GCS
+    client's gRPC threads running after ``ray.shutdown()`` (seen: ``gcs_client_io_s``, ``event_engine``,
+    ``grpc_global_tim``), and the C++ static destructors at exit race them -- CI printed "615 passed" and then died of
+    SIGSEGV, twice. A thread of ours still running would have kept the interpreter from exiting: it fails the run
+    instead, by name."""
+    session = config.stash.get(_SESSION, None)
+    if session is None:  # pytest stopped before the session began (a usage error): its own exit stands
+        return
+    status = int(session.exitstatus)
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if left:
+        print(f"threads still running after the tests: {', '.join(left)}", file=sys.stderr)
+        status = status or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def cuda_missing() -> str | None:
