@@ -61,7 +61,7 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
     """The command line and environment that start ``side``'s server on ``PORT``."""
     env = dict(os.environ)
     shared = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-              "--max-model-len", str(args.prefix_len + args.input + args.output + 64), "--load-format", "dummy"]
+              "--max-model-len", str(max_model_len(args)), "--load-format", "dummy"]
     if side == "vllm":
         env = {k: v for k, v in env.items() if not k.startswith("FLASHINFER_")}
         env["PYTHONPATH"] = args.vllm_site
@@ -80,6 +80,10 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
             "--kv-memory", f"{int(args.kv_memory_gib * 1024)}MiB", "--ingress-replicas", str(args.ingress_replicas),
             *([] if args.mixed_graph_tokens is None else ["--mixed-graph-tokens", str(args.mixed_graph_tokens)]),
             *shared], env
+
+
+def max_model_len(args) -> int:
+    return args.prefix_len + args.input + args.output + 64
 
 
 def wait_ready(process: subprocess.Popen, timeout: float) -> float:
@@ -131,6 +135,38 @@ def our_clients(label: str, model: Path, args, concurrency: list[int] | None = N
                     "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
                     "--name", name, "--out", str(args.work), "--engine-metrics"], check=True)
     return json.loads((args.work / f"{name}.json").read_text())
+
+
+def offline(model: Path, args) -> dict:
+    """Our own offline rate on the prompts our client sends (``bench/serving.py --offline``: the same seed, levels and
+    prompts, the server's engine and options, each level's requests at once), run while no server holds the GPU."""
+    name = "offline"
+    subprocess.run([sys.executable, str(HERE / "serving.py"), "--offline", "--model", str(model), "--load-format",
+                    "dummy", "--device", args.device, "--dtype", args.dtype,
+                    "--kv-memory", f"{int(args.kv_memory_gib * 1024)}MiB", "--max-num-seqs", str(args.max_num_seqs),
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                    "--max-model-len", str(max_model_len(args)),
+                    *([] if args.mixed_graph_tokens is None else ["--mixed-graph-tokens", str(args.mixed_graph_tokens)]),
+                    "--concurrency", *map(str, args.concurrency), "--rounds", str(args.rounds), "--seed", "0",
+                    "--input", str(args.input), "--output", str(args.output), "--vocab", str(args.vocab),
+                    "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
+                    "--name", name, "--out", str(args.work)], check=True, env=report.tree_env(HERE.parent))
+    return json.loads((args.work / f"{name}.json").read_text())
+
+
+def served_over_offline(runs: list[dict], offline_run: dict) -> tuple[list[str], list[list], list[dict]]:
+    """Per closed-loop level: vattn's served output tok/s under our client (each run), the offline rate on the same
+    prompts, and their ratio (the target: >= 0.9 at the most clients)."""
+    rows, data = [], []
+    for level in offline_run["levels"]:
+        c = level["concurrency"]
+        served = [x["output_tok_s"] for r in runs if r["side"] == "vattn"
+                  for x in r["ours"]["levels"] if x["concurrency"] == c and not x["rate"]]
+        ratio = statistics.mean(served) / level["output_tok_s"] if served else None
+        rows.append([c, level["requests"], " / ".join(f"{v:.0f}" for v in served), level["output_tok_s"], ratio])
+        data.append({"concurrency": c, "served_tok_s": served, "offline_tok_s": level["output_tok_s"],
+                     "served_over_offline": ratio})
+    return ["clients", "requests", "served tok/s (runs)", "offline tok/s", "served / offline"], rows, data
 
 
 def dataset_args(args) -> list[str]:
@@ -496,6 +532,8 @@ def main() -> None:
     parser.add_argument("--profile-rounds", type=int, default=8, help="requests per client in a profiled run")
     parser.add_argument("--profile-window", type=float, default=6, help="seconds of a profiled run's load over which "
                         "the counters /metrics shows are differenced")
+    parser.add_argument("--offline", action="store_true", help="after the servers, vattn's own offline rate on the "
+                        "prompts our client sent at each concurrency (bench/serving.py --offline), and served / offline")
     parser.add_argument("--sides", nargs="+", default=["vattn", "vllm"], choices=["vattn", "vllm"])
     parser.add_argument("--once", action="store_true", help="each side once (A B), not A B B A: when device time is short")
     parser.add_argument("--start-timeout", type=float, default=420)
@@ -523,6 +561,10 @@ def main() -> None:
         client_headers, client_rows = vllm_client_table(runs)
         print("the same servers driven by `vllm bench serve`:\n" + tabulate(client_rows, client_headers, floatfmt=".3f"))
         data["vllm_client_table"] = {"headers": client_headers, "rows": client_rows}
+    if args.offline and any(r["side"] == "vattn" for r in runs):
+        offline_headers, offline_rows, data["served_over_offline"] = served_over_offline(runs, offline(model, args))
+        print("vattn served against its own offline rate on the same prompts:\n"
+              + tabulate(offline_rows, offline_headers, floatfmt=".3f"))
     path = report.write(args.name, headers, rows, data | {"args": {k: str(v) for k, v in vars(args).items()},
                                                           "runs": runs}, args.out)
     if "levels" in data:  # both sides ran

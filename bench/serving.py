@@ -5,6 +5,7 @@ carry several tokens), time per output token ((e2e - TTFT) / (tokens - 1), per r
 
     python bench/serving.py --model tiny --device cpu --concurrency 1 16 64 256         # starts the server itself
     python bench/serving.py --url http://127.0.0.1:8000 --served-name smollm2 ...       # or measures a running one
+    python bench/serving.py --offline --model tiny --device cpu ...      # the same prompts offline (no server)
 
 Prompts are random token ids (exact input lengths), greedy, EOS ignored, every request streams with usage;
 ``--text`` sends them as text and ``--temperature -1`` leaves the draw to the server's default, as vLLM's
@@ -160,6 +161,39 @@ async def level(url: str, name: str, prompts: list, output: int, concurrency: in
     }
 
 
+def offline_level(llm, prompts: list[list[int]], output: int, concurrency: int) -> dict:
+    """A closed-loop level's prompts through ``llm`` all at once (greedy, EOS ignored): the engine's own rate on the
+    requests the level's clients send, ``concurrency`` kept only to name the level."""
+    from worker.sampling import SamplingParams
+
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=output, temperature=0, ignore_eos=True))
+    wall = time.perf_counter() - start
+    tokens = report.generated_tokens(outputs, output)
+    return {"concurrency": concurrency, "rate": None, "requests": len(prompts), "errors": 0, "wall_s": wall,
+            "output_tok_s": tokens / wall, "request_s": len(prompts) / wall, "output_tokens": tokens, "offline": True}
+
+
+def offline_engine(args):
+    """``vattn serve``'s engine (the Ray engine, one replica) with this run's options, in this process."""
+    from cluster.config import parse_size
+    from cluster.engine import LLM
+
+    options = {"kv_memory": parse_size(args.kv_memory), "max_num_seqs": args.max_num_seqs, "max_model_len": max_model_len(args),
+               "max_num_batched_tokens": args.max_num_batched_tokens,
+               "enable_prefix_caching": args.enable_prefix_caching}
+    for key in ("mixed_graph_tokens", "device", "dtype", "load_format"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    if args.page_size:
+        options["page_size"] = parse_size(args.page_size)
+    return LLM(args.model, distributed="ray", **options)
+
+
+def max_model_len(args) -> int:
+    return args.max_model_len or args.prefix_len + args.input + args.output + 8
+
+
 def start_server(args) -> tuple[str, str]:
     """A Serve app in this process (local Ray) with the engine options given; (url, served model name)."""
     import ray
@@ -173,13 +207,14 @@ def start_server(args) -> tuple[str, str]:
     port = free_local_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve_args = {"model": args.model, "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs,
-                  "max_model_len": args.prefix_len + args.input + args.output + 8, "max_n": 1, "max_pending": 100_000,
+                  "max_model_len": max_model_len(args), "max_n": 1, "max_pending": 100_000,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
                   "enable_prefix_caching": args.enable_prefix_caching}
     if args.mixed_graph_tokens is not None:
         serve_args["mixed_graph_tokens"] = args.mixed_graph_tokens
-    if args.device:
-        serve_args["device"] = args.device
+    for key in ("device", "dtype"):
+        if getattr(args, key):
+            serve_args[key] = getattr(args, key)
     serve_args["ingress_replicas"] = args.ingress_replicas
     if args.page_size:
         serve_args["page_size"] = args.page_size
@@ -212,6 +247,7 @@ def main() -> None:
     p.add_argument("--api-key")
     p.add_argument("--model", default="tiny")
     p.add_argument("--device")
+    p.add_argument("--dtype", help="the engine's (default: its own)")
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--page-size")
     p.add_argument("--load-format", help="dummy: random weights for a model directory with only its config.json")
@@ -220,6 +256,11 @@ def main() -> None:
                    help="the engine's (steps that prefill in CUDA graphs; default: the engine's)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, help="the server started here (default: the longest request + 8)")
+    p.add_argument("--offline", action="store_true",
+                   help="no server: each closed-loop level's prompts (the same ones, same seed) through vattn serve's "
+                        "engine in this process (`LLM` on Ray, the options above), all at once -- our own offline rate "
+                        "on what the clients send")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256], help="none: --rates only")
     p.add_argument("--rates", type=float, nargs="*", default=[],
                    help="then Poisson arrivals at these requests/s (at most 1024 open at once), --rate-seconds of them each")
@@ -254,21 +295,37 @@ def main() -> None:
         # ids past 255 vanish (prompts came out empty at --vocab 32000).
         p.error(f"--text needs a model directory with a tokenizer.json (--tokenizer, or --model with --load-format "
                 f"dummy); {args.tokenizer or args.model!r} has the byte tokenizer")
-    url, name = (args.url, args.served_name) if args.url else start_server(args)
+    if args.offline and (args.url or args.rates or args.text):
+        p.error("--offline runs the closed-loop levels' token ids through the engine here: no --url, --rates, --text")
     rng = random.Random(args.seed)
     temperature = None if args.temperature < 0 else args.temperature
     as_sent = (lambda ids: ids) if tokenizer is None else tokenizer.decode
-    levels = []
-    asyncio.run(level(url, name, [[rng.randrange(args.vocab) for _ in range(args.input)]] * 4, args.output, 4, args.api_key))  # warm-up
+    warmup = [[rng.randrange(args.vocab) for _ in range(args.input)]] * 4
     loads = [(c, None, args.requests or max(16, args.rounds * c)) for c in args.concurrency]
     loads += [(1024, rate, max(16, round(rate * args.rate_seconds))) for rate in args.rates]
+    shared = [[rng.randrange(args.vocab) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]
+    # Every level's prompts drawn before any runs: an offline run of the same seed gets the same ones.
+    drawn = [[as_sent((rng.choice(shared) if shared else []) + [rng.randrange(args.vocab) for _ in range(args.input)])
+              for _ in range(n)] for _, _, n in loads]
+    if args.offline:
+        with offline_engine(args) as llm:
+            offline_level(llm, warmup, args.output, 4)
+            levels = [offline_level(llm, prompts, args.output, c) for (c, _, _), prompts in zip(loads, drawn)]
+        headers = ["clients (offline)", "requests", "wall s", "output tok/s", "req/s"]
+        rows = [[r["concurrency"], r["requests"], r["wall_s"], r["output_tok_s"], r["request_s"]] for r in levels]
+        report.write(args.name, headers, rows, {"model": args.model, "offline": True, "input_tokens": args.input,
+                                                "output_tokens": args.output, "prefixes": args.prefixes,
+                                                "prefix_len": args.prefix_len, "seed": args.seed, "levels": levels},
+                     args.out)
+        return
+    url, name = (args.url, args.served_name) if args.url else start_server(args)
+    levels = []
+    asyncio.run(level(url, name, warmup, args.output, 4, args.api_key))
+
     def metrics() -> dict:
         return engine_totals(httpx.get(f"{url}/metrics", timeout=30).text)
 
-    shared = [[rng.randrange(args.vocab) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]
-    for c, rate, n in loads:
-        prompts = [as_sent((rng.choice(shared) if shared else []) + [rng.randrange(args.vocab) for _ in range(args.input)])
-                   for _ in range(n)]
+    for (c, rate, n), prompts in zip(loads, drawn):
         before = metrics() if args.engine_metrics else None
         levels.append(asyncio.run(level(url, name, prompts, args.output, c, args.api_key, rate, temperature)))
         r = levels[-1]

@@ -133,3 +133,19 @@ def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_serv
         peer_serving.RATE_SETTLE_S + 6 + 2)
     assert peer_serving.dataset_args(argparse.Namespace(prefixes=0, input=512, output=128))[:2] == ["--dataset-name",
                                                                                                    "random"]
+
+
+def test_served_rate_is_set_against_the_offline_rate_on_the_same_prompts_per_closed_loop_level():
+    def run(side, tok_s):  # a rate's level has no offline counterpart
+        return {"side": side, "ours": {"levels": [level(64, tok_s, 0.1, 0.3, 0.01), level(256, 2 * tok_s, 0.2, 0.5, 0.02),
+                                                  level(1024, tok_s, 0.1, 0.2, 0.01, rate=20.0)]}}
+
+    offline_run = {"levels": [{"concurrency": 64, "requests": 384, "output_tok_s": 1000.0},
+                              {"concurrency": 256, "requests": 1536, "output_tok_s": 2000.0}]}
+    headers, rows, data = peer_serving.served_over_offline([run("vattn", 900), run("vllm", 5000), run("vattn", 800)],
+                                                           offline_run)
+    assert headers[-1] == "served / offline"
+    assert rows[0] == [64, 384, "900 / 800", 1000.0, pytest.approx(0.85)]  # vattn's runs only
+    assert data[1] == {"concurrency": 256, "served_tok_s": [1800, 1600], "offline_tok_s": 2000.0,
+                       "served_over_offline": pytest.approx(0.85)}
+    assert peer_serving.max_model_len(argparse.Namespace(prefix_len=0, input=512, output=128)) == 704

@@ -1,8 +1,10 @@
 """bench/serving.py's reading of a server's own latency histograms (vLLM's names, or vattn's prefix on them), from
-an exposition prometheus_client writes; its refusal of text prompts it cannot write."""
+an exposition prometheus_client writes; its refusal of text prompts it cannot write; its offline run of the same
+prompts through the engine."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,23 @@ def test_text_prompts_need_a_real_tokenizer():
     assert done.returncode == 2
     assert ("--text needs a model directory with a tokenizer.json (--tokenizer, or --model with --load-format dummy); "
             "'llama-3-8b' has the byte tokenizer") in done.stderr
+
+
+def test_offline_runs_each_closed_loop_levels_prompts_through_the_engine_at_once(tmp_path):
+    # vattn serve's engine (LLM on a real local Ray) on the prompts the clients would send: every request ran whole.
+    done = subprocess.run([sys.executable, str(Path(serving.__file__)), "--offline", "--model", "tiny", "--device", "cpu",
+                           "--kv-memory", "64MiB", "--concurrency", "2", "8", "--rounds", "3", "--input", "12",
+                           "--output", "5", "--name", "offline", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "offline.json").read_text())
+    assert result["offline"] is True
+    assert [(x["concurrency"], x["requests"], x["output_tokens"]) for x in result["levels"]] == [(2, 16, 80), (8, 24, 120)]
+    assert all(x["output_tok_s"] > 0 for x in result["levels"])
+
+
+def test_offline_refuses_what_has_no_offline_meaning():
+    done = subprocess.run([sys.executable, str(Path(serving.__file__)), "--offline", "--rates", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--offline runs the closed-loop levels' token ids through the engine here: no --url, --rates, --text" in done.stderr
