@@ -26,9 +26,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     """End the process here, every result reported, without the interpreter's teardown: Ray 2.60 leaves its GCS
     client's gRPC threads running after ``ray.shutdown()`` (seen: ``gcs_client_io_s``, ``event_engine``,
-    ``grpc_global_tim``), and the C++ static destructors at exit race them -- CI printed "615 passed" and then died of
-    SIGSEGV, twice. A thread of ours still running would have kept the interpreter from exiting: it fails the run
-    instead, by name."""
+    ``grpc_global_tim``), and CI printed "615 passed" and then died of SIGSEGV, twice, after Python's own teardown
+    (``PYTHONFAULTHANDLER`` printed nothing): where the C++ static destructors run beside those threads. A thread of
+    ours still running would have kept the interpreter from exiting: it fails the run instead, by name."""
     session = config.stash.get(_SESSION, None)
     if session is None:  # pytest stopped before the session began (a usage error): its own exit stands
         return
