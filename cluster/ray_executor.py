@@ -150,6 +150,8 @@ class RayExecutor:
         env = {"env_vars": env_vars} if env_vars else {}
         group = uuid.uuid4().hex[:8]
         for i, config in enumerate(self.plan.workers):
+            if not gpu:  # a CPU pool is made after every worker is up, one at a time (``_pools``)
+                config = replace(config, pool_bytes=None)
             first = self._placement.first_bundle if self._placement is not None else 0
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=first + i)
             self._actors.append(WorkerActor.options(
@@ -179,9 +181,20 @@ class RayExecutor:
                 budgets = ray.get([a.kv_memory_available.remote(c.kv_memory_fraction, world, c.gpu_memory_utilization)
                                    for a in self._actors])
                 self.plan = self.plan.sized(budgets)
-                ray.get([a.allocate.remote(w.pool_bytes) for a, w in zip(self._actors, self.plan.workers, strict=True)])
+                if gpu:
+                    ray.get([a.allocate.remote(w.pool_bytes) for a, w in zip(self._actors, self.plan.workers, strict=True)])
+            if not gpu:
+                self._pools()
         except ray.exceptions.RayTaskError as exc:
             raise exc.cause if exc.cause is not None else exc  # the worker's own error (bad model, no memory)
+
+    def _pools(self) -> None:
+        """The CPU workers' pools, one after another: a host pool's pages are committed as it is made, so each
+        worker's check of the memory its host has free sees the pools made before it. Made at once, every check saw the
+        memory none had taken yet, and pools that fit one by one but not together passed (two of two thirds of it each:
+        Ray's memory monitor then killed the workers)."""
+        for actor, worker in zip(self._actors, self.plan.workers, strict=True):
+            ray.get(actor.allocate.remote(worker.pool_bytes))
 
     def _compile(self):
         tp, pp = self.plan.config.tensor_parallel_size, self.plan.config.pipeline_parallel_size

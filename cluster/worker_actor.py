@@ -4,6 +4,7 @@ scheduler actor's ``RayExecutor``."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import ray
 import torch
@@ -81,6 +82,7 @@ class WorkerActor:
     def allocate(self, pool_bytes: int) -> None:
         self._select_device()
         self.worker.allocate(pool_bytes)
+        self.config = replace(self.config, pool_bytes=pool_bytes)  # a shard set up again is made with its pool
         freeze_heap(f"worker pp{self.config.pp_rank} tp{self.config.tp_rank}, its pool")
 
     def execute(self, step: StepInput, inputs: torch.Tensor | int | None = None):

@@ -247,6 +247,18 @@ def test_a_kv_memory_fraction_too_small_for_one_page_is_refused_naming_it():
     assert released(), (vattn_actors(), live_placement_groups())
 
 
+def test_cpu_pools_that_fit_the_free_memory_each_but_not_together_are_refused():
+    # Two CPU workers on one host, each pool two thirds of what the host has free: each alone fits. Made at once, both
+    # checks passed and Ray's memory monitor killed the workers; made one at a time, the second sees the first's pages.
+    import psutil
+
+    pool = 2 * psutil.virtual_memory().available // 3
+    with pytest.raises(ValueError, match=r"kv_memory: a KV pool of .* GiB is more than worker pp0 tp1's cpu memory has "
+                                         r"free \(.* GiB\): lower kv_memory, or size the pool with kv_memory_fraction"):
+        LLM("tiny", distributed="ray", tensor_parallel_size=2, **(SMALL | {"kv_memory": pool}))
+    assert released(), (vattn_actors(), live_placement_groups())
+
+
 @pytest.mark.parametrize("layout", ["mega", "per_layer", "paged"])
 def test_preemption_by_swap_across_tp_and_pp(hf_llama, layout):
     path, prompts, expected = hf_llama
