@@ -49,7 +49,8 @@ class Sample:
 
 #: The server's own latency histograms (vLLM's names; vattn's carry its prefix instead of ``vllm:``).
 ENGINE_HISTOGRAMS = ("time_to_first_token_seconds", "request_queue_time_seconds", "e2e_request_latency_seconds",
-                     "request_ingress_seconds", "first_token_pickup_seconds")  # the last two: the serving path's
+                     "request_ingress_seconds", "first_token_pickup_seconds",  # the last three: the serving path's
+                     "stream_outputs_per_poll")  # (its mean: the steps a stream's tokens reach its client in at once)
 
 
 def engine_totals(metrics_text: str) -> dict[str, tuple[float, float]]:

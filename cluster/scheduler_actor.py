@@ -14,7 +14,7 @@ from cluster.engine_core import EngineCore, Prompt
 from cluster.errors import EngineDeadError, EngineDrainingError, WorkerGroupError
 from cluster.outputs import RequestOutput
 from cluster.ray_executor import RayExecutor
-from cluster.telemetry import TTFT_BUCKETS, EngineSnapshot, Histogram
+from cluster.telemetry import POLL_BUCKETS, TTFT_BUCKETS, EngineSnapshot, Histogram
 from kvmem.stats import PageMap, SlotAccounting
 from worker.heap import freeze_heap
 from worker.sampling import SamplingParams
@@ -25,8 +25,10 @@ from worker.tokenizer import load_tokenizer
 UNCLAIMED_OUTPUT_S = 300.0
 #: Histograms a scheduler actor adds to its engine's snapshot: seconds from a request's HTTP front taking it in to this
 #: actor queueing it (``AddCall.received``), and from its first token's output being buffered here to a client's poll
-#: taking it. With the engine's own TTFT they split what a client sees.
-PATH_HISTOGRAMS = ("request_ingress_seconds", "first_token_pickup_seconds")
+#: taking it (with the engine's own TTFT they split what a client sees); and how many step outputs of a stream a poll
+#: took at once (1 while the polls keep up with the steps; k: its tokens went on to the client k steps at a time).
+PATH_HISTOGRAMS = {"request_ingress_seconds": TTFT_BUCKETS, "first_token_pickup_seconds": TTFT_BUCKETS,
+                   "stream_outputs_per_poll": POLL_BUCKETS}
 
 # The calls every request and every step make send no task events to the GCS. It keeps the last 100,000 tasks'
 # events: serving tiny on CPU (bench/soak.py) it grew from 245 to 363 MiB over the first 20 minutes, to that cap.
@@ -76,7 +78,7 @@ class SchedulerActor:
         self._draining = False
         # A request's way from its HTTP front to the engine, and its first token's from the engine to a client's poll:
         # the serving path's share of TTFT, which the engine's own histograms do not see (``PATH_HISTOGRAMS``).
-        self._path = {name: Histogram(TTFT_BUCKETS) for name in PATH_HISTOGRAMS}
+        self._path = {name: Histogram(bounds) for name, bounds in PATH_HISTOGRAMS.items()}
         self._made: dict[str, float | None] = {}  # request -> when its first token's output was buffered; None: taken
         try:
             engine_plan = plan(config, model_config(config.model), config.device)
@@ -189,6 +191,8 @@ class SchedulerActor:
             for i in list(self._selected(request_ids, consumer)):
                 if self._outputs.get(i):
                     newest = self._outputs[i][-1]
+                    if i in self._streamed:
+                        self._path["stream_outputs_per_poll"].observe(len(self._outputs[i]))
                     self._outputs[i] = []
                     if (made := self._made.get(i)) is not None:
                         self._path["first_token_pickup_seconds"].observe(now - made)

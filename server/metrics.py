@@ -42,6 +42,7 @@ HISTOGRAMS = {
     "iteration_tokens_total": "Tokens per engine step.",
     "request_ingress_seconds": "Seconds from the HTTP front taking a request in to the engine queueing it.",
     "first_token_pickup_seconds": "Seconds from the engine buffering a request's first token to a client's poll taking it.",
+    "stream_outputs_per_poll": "Step outputs of a streamed request a client's poll took at once (1: it kept up with the steps).",
 }
 WORKER_GAUGES = {
     "kv_reserved_bytes": ("Virtual address space reserved for the KV cache (paged: the block pool).", lambda w: w.reserved_bytes),

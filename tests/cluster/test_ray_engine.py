@@ -92,6 +92,33 @@ def test_a_consumers_poll_sees_requests_added_while_it_waits_and_no_one_elses():
         assert running and all(o.prompt_token_ids == () and o.prompt is None for o in running)
 
 
+def test_a_poll_counts_the_step_outputs_of_a_stream_it_took_at_once():
+    """``vattn:stream_outputs_per_poll``: 1 where the polls keep up with the steps; a stream left unpolled for a while
+    is taken with every step's output since (its tokens reach the client that many steps at a time). A non-streamed
+    request's final output is not counted."""
+    many = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with LLM("tiny", distributed="ray", kv_memory=8 << 20, **SMALL) as llm:
+        actor = llm._engine.actor
+        ray.get(actor.add_requests.remote(["kept up"], [many], True, ["s"], "ingress"))
+        ray.get(actor.add_requests.remote(["whole"], [many], False, ["w"], "ingress"))
+        steps, taken = [], {}
+        while "s" not in taken:  # one step output at a time: the poll is back before the next step ends
+            for o in ray.get(actor.wait_outputs.remote(["s"], 10.0)):
+                steps.append(len(o.outputs[0].token_ids))
+                if o.finished:
+                    taken["s"] = o
+        ray.get(actor.add_requests.remote(["late"], [many], True, ["l"], "ingress"))
+        while llm.snapshot().requests:  # ... and one polled only once it has ended
+            time.sleep(0.05)
+        (late,) = ray.get(actor.wait_outputs.remote(["l"], 10.0))
+        ray.get(actor.wait_outputs.remote(["w"], 10.0))
+        polls = llm.snapshot().histograms["stream_outputs_per_poll"]
+        assert late.finished and len(late.outputs[0].token_ids) == 60
+        assert polls.count == len(steps) + 1  # the streams' polls; not the whole request's
+        assert polls.total == 2 * 60  # every step output of both streams counted once, whatever the polls' cadence
+        assert polls.counts[-1] == 1  # the late stream's one poll took all 60 at once (past the last bound, 32)
+
+
 def test_a_draining_scheduler_finishes_what_it_holds_and_refuses_new_calls():
     """Calls (``AddCall``, what the HTTP ingress sends: text or token ids, salted or not) queue their requests. Once
     the replica drains (a rolling update), the scheduler refuses new calls with ``EngineDrainingError`` -- the ingress
