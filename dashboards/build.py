@@ -203,6 +203,13 @@ def serving() -> Dashboard:
                   "pickup (the engine buffering it, to the front's poll taking it).", "s",
                   quantiles("vattn:request_ingress_seconds", s, by, "{{model_name}} in")
                   + quantiles("vattn:first_token_pickup_seconds", s, by, "{{model_name}} pickup")),
+            # The mean, not quantiles: the counts are small whole numbers, which a quantile interpolated within a
+            # bucket misreads (all 1 reads as a p50 of 0.5).
+            panel("Steps a stream's poll takes, mean", "How many engine steps' tokens of a streamed request the "
+                  "HTTP front's poll took at once: 1 while the fronts keep up with the steps; more, and streams reach "
+                  "their clients that many tokens at a time (more ingress replicas share the streams).", "none",
+                  [query(f"{rate('vattn:stream_outputs_per_poll_sum', s, by)} / "
+                         f"{rate('vattn:stream_outputs_per_poll_count', s, by)}", "{{model_name}}")]),
         ]),
         ("Throughput", [
             panel("Prompt and generation tokens per second", "Prompt tokens (of requests that got their first "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.prometheus import PROMETHEUS, prometheus
-from tests.server.conftest import send_completions, tiny_server
+from tests.server.conftest import send_completions, stream_to_end, tiny_server
 
 ROOT = Path(__file__).parents[2]
 DOC = ROOT / "docs" / "metrics.md"
@@ -104,6 +104,9 @@ def server():
 
 def traffic(target: str) -> None:
     send_completions(target, "dashboard", 4)
+    done: list = []
+    stream_to_end(f"http://{target}", done, {"max_tokens": 12})  # a stream's polls (stream_outputs_per_poll)
+    assert done == [("done", "length")], done
 
 
 def mixed_traffic(target: str, seconds: float) -> float:
