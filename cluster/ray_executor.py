@@ -189,10 +189,20 @@ class RayExecutor:
             raise exc.cause if exc.cause is not None else exc  # the worker's own error (bad model, no memory)
 
     def _pools(self) -> None:
-        """The CPU workers' pools, one after another: a host pool's pages are committed as it is made, so each
-        worker's check of the memory its host has free sees the pools made before it. Made at once, every check saw the
+        """The CPU workers' pools: refused at once where a node's pools together pass what it has free, else made one
+        after another. A host pool's pages are committed as it is made; made at once, every worker's own check saw the
         memory none had taken yet, and pools that fit one by one but not together passed (two of two thirds of it each:
         Ray's memory monitor then killed the workers)."""
+        free = ray.get([a.kv_memory_available.remote(1.0, 1) for a in self._actors])
+        nodes = [node for node, _ in ray.get([a.gpu.remote() for a in self._actors])]
+        for node in dict.fromkeys(nodes):
+            mine = [i for i, n in enumerate(nodes) if n == node]
+            need = sum(self.plan.workers[i].pool_bytes for i in mine)
+            if len(mine) > 1 and need > min(free[i] for i in mine):
+                raise ValueError(f"kv_memory: the KV pools of {len(mine)} workers on one node, "
+                                 f"{need / (1 << 30):.2f} GiB together, are more than its cpu memory has free "
+                                 f"({min(free[i] for i in mine) / (1 << 30):.2f} GiB): lower kv_memory, or size the "
+                                 f"pools with kv_memory_fraction")
         for actor, worker in zip(self._actors, self.plan.workers, strict=True):
             ray.get(actor.allocate.remote(worker.pool_bytes))
 

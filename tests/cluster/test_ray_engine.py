@@ -276,12 +276,13 @@ def test_a_kv_memory_fraction_too_small_for_one_page_is_refused_naming_it():
 
 def test_cpu_pools_that_fit_the_free_memory_each_but_not_together_are_refused():
     # Two CPU workers on one host, each pool two thirds of what the host has free: each alone fits. Made at once, both
-    # checks passed and Ray's memory monitor killed the workers; made one at a time, the second sees the first's pages.
+    # workers' checks passed and Ray's memory monitor killed them; now the node's sum is refused before any is made.
     import psutil
 
     pool = 2 * psutil.virtual_memory().available // 3
-    with pytest.raises(ValueError, match=r"kv_memory: a KV pool of .* GiB is more than worker pp0 tp1's cpu memory has "
-                                         r"free \(.* GiB\): lower kv_memory, or size the pool with kv_memory_fraction"):
+    with pytest.raises(ValueError, match=r"kv_memory: the KV pools of 2 workers on one node, .* GiB together, are more "
+                                         r"than its cpu memory has free \(.* GiB\): lower kv_memory, or size the pools "
+                                         r"with kv_memory_fraction"):
         LLM("tiny", distributed="ray", tensor_parallel_size=2, **(SMALL | {"kv_memory": pool}))
     assert released(), (vattn_actors(), live_placement_groups())
 
