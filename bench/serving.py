@@ -175,20 +175,26 @@ def offline_level(llm, prompts: list[list[int]], output: int, concurrency: int) 
             "output_tok_s": tokens / wall, "request_s": len(prompts) / wall, "output_tokens": tokens, "offline": True}
 
 
-def offline_engine(args):
-    """``vattn serve``'s engine (the Ray engine, one replica) with this run's options, in this process."""
+def engine_options(args) -> dict:
+    """The engine's options this run gives, as ``LLM`` and ``vattn serve``'s arguments both take them."""
     from cluster.config import parse_size
-    from cluster.engine import LLM
 
-    options = {"kv_memory": parse_size(args.kv_memory), "max_num_seqs": args.max_num_seqs, "max_model_len": max_model_len(args),
-               "max_num_batched_tokens": args.max_num_batched_tokens,
+    options = {"kv_memory": parse_size(args.kv_memory), "max_num_seqs": args.max_num_seqs,
+               "max_model_len": max_model_len(args), "max_num_batched_tokens": args.max_num_batched_tokens,
                "enable_prefix_caching": args.enable_prefix_caching}
     for key in ("mixed_graph_tokens", "device", "dtype", "load_format"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.page_size:
         options["page_size"] = parse_size(args.page_size)
-    return LLM(args.model, distributed="ray", **options)
+    return options
+
+
+def offline_engine(args):
+    """``vattn serve``'s engine (the Ray engine, one replica) with this run's options, in this process."""
+    from cluster.engine import LLM
+
+    return LLM(args.model, distributed="ray", **engine_options(args))
 
 
 def max_model_len(args) -> int:
@@ -207,20 +213,8 @@ def start_server(args) -> tuple[str, str]:
     ray.init(num_cpus=max(os.cpu_count() or 1, 2 + args.ingress_replicas), include_dashboard=False, log_to_driver=False)
     port = free_local_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve_args = {"model": args.model, "kv_memory": args.kv_memory, "max_num_seqs": args.max_num_seqs,
-                  "max_model_len": max_model_len(args), "max_n": 1, "max_pending": 100_000,
-                  "max_num_batched_tokens": args.max_num_batched_tokens,
-                  "enable_prefix_caching": args.enable_prefix_caching}
-    if args.mixed_graph_tokens is not None:
-        serve_args["mixed_graph_tokens"] = args.mixed_graph_tokens
-    for key in ("device", "dtype"):
-        if getattr(args, key):
-            serve_args[key] = getattr(args, key)
-    serve_args["ingress_replicas"] = args.ingress_replicas
-    if args.page_size:
-        serve_args["page_size"] = args.page_size
-    if args.load_format:
-        serve_args["load_format"] = args.load_format
+    serve_args = {"model": args.model, **engine_options(args), "max_n": 1, "max_pending": 100_000,
+                  "ingress_replicas": args.ingress_replicas}
     serve.run(app_builder(serve_args), route_prefix="/")
     return f"http://127.0.0.1:{port}", Path(args.model).name or args.model
 

@@ -150,7 +150,7 @@ class RayExecutor:
         env = {"env_vars": env_vars} if env_vars else {}
         group = uuid.uuid4().hex[:8]
         for i, config in enumerate(self.plan.workers):
-            if not gpu:  # a CPU pool is made after every worker is up, one at a time (``_pools``)
+            if not gpu:  # its pool is made once every worker is up (``_check_host_memory`` first)
                 config = replace(config, pool_bytes=None)
             first = self._placement.first_bundle if self._placement is not None else 0
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=first + i)
@@ -176,35 +176,34 @@ class RayExecutor:
             ray.get([a.setup.remote(init, rank, world, stages, node_gpus[rank],
                                     StageLink.between(rank, tp, pp, ring) if p2p else None, rings)
                      for rank, a in enumerate(self._actors)])
+            made = gpu and self.plan.is_sized  # a GPU worker given its pool made it as it started
             if not self.plan.is_sized:  # every worker's weights are in: the pools take a share of what is left
                 c = self.plan.config
                 budgets = ray.get([a.kv_memory_available.remote(c.kv_memory_fraction, world, c.gpu_memory_utilization)
                                    for a in self._actors])
                 self.plan = self.plan.sized(budgets)
-                if gpu:
-                    ray.get([a.allocate.remote(w.pool_bytes) for a, w in zip(self._actors, self.plan.workers, strict=True)])
             if not gpu:
-                self._pools()
+                self._check_host_memory()
+            if not made:
+                ray.get([a.allocate.remote(w.pool_bytes) for a, w in zip(self._actors, self.plan.workers, strict=True)])
         except ray.exceptions.RayTaskError as exc:
             raise exc.cause if exc.cause is not None else exc  # the worker's own error (bad model, no memory)
 
-    def _pools(self) -> None:
-        """The CPU workers' pools: refused at once where a node's pools together pass what it has free, else made one
-        after another. A host pool's pages are committed as it is made; made at once, every worker's own check saw the
-        memory none had taken yet, and pools that fit one by one but not together passed (two of two thirds of it each:
-        Ray's memory monitor then killed the workers)."""
+    def _check_host_memory(self) -> None:
+        """Refuse CPU pools that together pass what their node has free, before any is made. A host pool's pages are
+        committed as it is made, and made at once every worker's own check saw the memory none had taken yet: pools
+        that fit one by one but not together passed (two of two thirds of it each; Ray's memory monitor then killed
+        the workers). A node's single worker is left to its own check."""
         free = ray.get([a.kv_memory_available.remote(1.0, 1) for a in self._actors])
         nodes = [node for node, _ in ray.get([a.gpu.remote() for a in self._actors])]
         for node in dict.fromkeys(nodes):
             mine = [i for i, n in enumerate(nodes) if n == node]
-            need = sum(self.plan.workers[i].pool_bytes for i in mine)
-            if len(mine) > 1 and need > min(free[i] for i in mine):
+            need, have = sum(self.plan.workers[i].pool_bytes for i in mine), min(free[i] for i in mine)
+            if len(mine) > 1 and need > have:
                 raise ValueError(f"kv_memory: the KV pools of {len(mine)} workers on one node, "
                                  f"{need / (1 << 30):.2f} GiB together, are more than its cpu memory has free "
-                                 f"({min(free[i] for i in mine) / (1 << 30):.2f} GiB): lower kv_memory, or size the "
-                                 f"pools with kv_memory_fraction")
-        for actor, worker in zip(self._actors, self.plan.workers, strict=True):
-            ray.get(actor.allocate.remote(worker.pool_bytes))
+                                 f"({have / (1 << 30):.2f} GiB): lower kv_memory, or size the pools with "
+                                 f"kv_memory_fraction")
 
     def _compile(self):
         tp, pp = self.plan.config.tensor_parallel_size, self.plan.config.pipeline_parallel_size

@@ -132,8 +132,8 @@ class Worker:
         if self.cache is not None:
             raise RuntimeError(f"worker pp{self.config.pp_rank} tp{self.config.tp_rank} already has its KV cache")
         # A pool past what the device holds fails late and badly: on CPU its pages are committed as the pool is made,
-        # and Ray's memory monitor (or the OOM killer) kills the worker then, and again at each restart. The check sees
-        # what other pools took before it: a Ray engine makes its CPU workers' pools one at a time (``RayExecutor``).
+        # and Ray's memory monitor (or the OOM killer) kills the worker then, and again at each restart. Pools made at
+        # once each pass alone: a Ray engine checks its CPU workers' pools together first (``RayExecutor``).
         if pool_bytes > (available := self.kv_memory_available(1.0, 1)):
             raise ValueError(f"kv_memory: a KV pool of {pool_bytes / (1 << 30):.2f} GiB is more than worker "
                              f"pp{self.config.pp_rank} tp{self.config.tp_rank}'s {self.device.type} memory has free "
