@@ -108,7 +108,8 @@ def test_a_poll_counts_the_step_outputs_of_a_stream_it_took_at_once():
                 if o.finished:
                     taken["s"] = o
         ray.get(actor.add_requests.remote(["late"], [many], True, ["l"], "ingress"))
-        while llm.snapshot().requests:  # ... and one polled only once it has ended
+        # ... and one polled only once it has ended (counted as finished: just added, it may not be running yet)
+        while sum(llm.snapshot().finished.values()) < 3:
             time.sleep(0.05)
         (late,) = ray.get(actor.wait_outputs.remote(["l"], 10.0))
         ray.get(actor.wait_outputs.remote(["w"], 10.0))
