@@ -340,7 +340,9 @@ def main() -> None:
              "/".join(str(ms(r["tpot_s"][k])) for k in ("p50", "p99")),
              "/".join(str(ms(r["itl_s"][k])) for k in ("p50", "p90", "p99")),
              "/".join(str(ms(r["e2e_s"][k])) for k in ("p50", "p99"))] for r in levels]
-    data = {"model": name, "url": url if args.url else "started here", "ingress_replicas": args.ingress_replicas, "input_tokens": args.input,
+    # A server at --url was started elsewhere, with front replicas this client does not know.
+    data = {"model": name, "url": url if args.url else "started here",
+            "ingress_replicas": None if args.url else args.ingress_replicas, "input_tokens": args.input,
             "output_tokens": args.output, "prefixes": args.prefixes, "prefix_len": args.prefix_len,
             "temperature": temperature, "text_prompts": args.text, "levels": levels}
     report.write(args.name, headers, rows, data, args.out)

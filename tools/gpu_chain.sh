@@ -147,7 +147,10 @@ step() {  # NAME SECONDS CMD...
     wait $pid; rc=$?
   fi
   # whatever Ray left behind ("[r]aylet": a plain word would match this command line too)
-  pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; pkill -9 -f "ray::"; sleep 2
+  pkill -9 -f "[r]aylet"; pkill -9 -f "[g]cs_server"; pkill -9 -f "ray::"
+  # and whatever still holds the GPU: a timed-out step's servers run in sessions of their own, out of reach of the
+  # kill above (a `vllm serve` left so once took 58 GiB, and the next step's vLLM refused to start)
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2>/dev/null; sleep 2
   echo "[$(date +%T)] end $name rc=$rc"; tail -n 6 "$BG_OUT/$name.log"
   return $rc
 }
