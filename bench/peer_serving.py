@@ -130,11 +130,17 @@ def our_clients(label: str, model: Path, args, concurrency: list[int] | None = N
                     SERVED, "--concurrency", *map(str, args.concurrency if concurrency is None else concurrency),
                     "--rates", *map(str, args.rates if rates is None else rates),
                     "--rate-seconds", str(rate_seconds or args.rate_seconds), "--seed", str(seed),
-                    "--rounds", str(rounds or args.rounds),
+                    "--rounds", str(rounds or args.rounds), *client_sampling(args),
                     "--input", str(args.input), "--output", str(args.output), "--vocab", str(args.vocab),
                     "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
                     "--name", name, "--out", str(args.work), "--engine-metrics"], check=True)
     return json.loads((args.work / f"{name}.json").read_text())
+
+
+def client_sampling(args) -> list[str]:
+    """Our client's draw: greedy by default, else ``--client-temperature`` (-1: the server's default, as ``vllm bench
+    serve`` leaves it) -- whether a gap under vLLM's client is the draw or the client."""
+    return ["--temperature", str(args.client_temperature)]
 
 
 def offline(model: Path, args) -> dict:
@@ -523,6 +529,8 @@ def main() -> None:
     parser.add_argument("--mixed-graph-tokens", type=int, default=None, help="vattn's: steps that prefill, up to "
                         "this many tokens, replay CUDA graphs (0: eagerly; default: the engine's)")
     parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
+    parser.add_argument("--client-temperature", type=float, default=0.0, help="our client's temperature (-1: each "
+                        "server's default, as `vllm bench serve` leaves it; default greedy)")
     parser.add_argument("--profile", type=int, nargs="*", default=[], help="after the clients, drive each server "
                         "with `vllm bench serve` at these concurrencies while its processes are sampled (py-spy, CPU "
                         "per thread; bench/process_sampler.py) and its steps recorded under torch's profiler for 2 s; "
@@ -542,6 +550,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     parser.add_argument("--replot", type=Path, help="draw the figure of a results file again, and run nothing")
     args = parser.parse_args()
+    if args.offline and args.client_temperature != 0:
+        parser.error("--offline sets the served rate against a greedy offline run: leave --client-temperature at 0")
     if args.replot:
         data = json.loads(args.replot.read_text())
         headers, rows = vllm_client_table(data["runs"])  # from the runs: older files' tables have fewer columns

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 
 import sys
 from pathlib import Path
@@ -149,3 +150,14 @@ def test_served_rate_is_set_against_the_offline_rate_on_the_same_prompts_per_clo
     assert data[1] == {"concurrency": 256, "served_tok_s": [1800, 1600], "offline_tok_s": 2000.0,
                        "served_over_offline": pytest.approx(0.85)}
     assert peer_serving.max_model_len(argparse.Namespace(prefix_len=0, input=512, output=128)) == 704
+
+
+def test_our_client_draws_greedily_unless_told_and_an_offline_comparison_stays_greedy(tmp_path):
+    assert peer_serving.client_sampling(argparse.Namespace(client_temperature=0.0)) == ["--temperature", "0.0"]
+    # -1: each server's default draw, as `vllm bench serve` sends no temperature (bench/serving.py sends none)
+    assert peer_serving.client_sampling(argparse.Namespace(client_temperature=-1.0)) == ["--temperature", "-1.0"]
+    done = subprocess.run([sys.executable, peer_serving.__file__, "--offline", "--client-temperature", "1",
+                           "--work", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "--offline sets the served rate against a greedy offline run" in done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was written or started
