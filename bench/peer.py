@@ -15,7 +15,7 @@ peer. The floor is measured in the same call. Results of another call, or of oth
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
-``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size; ``vattn-noprefixahead``: cached prefixes mapped at admission only;
+``vattn-page8m``: 8 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size; ``vattn-noprefixahead``: cached prefixes mapped at admission only; ``vattn-mapfirst``: the next step's pages mapped while a step's kernels are queued (the order before 2026-11-29), not after;
 ``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2`` (a token ring by default), ``vattn-pp2-p2p``,
 ``vattn-pp2-channel``: with ``--tp 2``, the two GPUs as pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
 peer memory; ``vattn-depth2``: two steps in flight through Ray, ``async_depth=2``, not three; ``vattn-oneshot``: with
@@ -113,6 +113,7 @@ VATTN_SIDES = {
     "vattn-fa2decode": {},  # all-decode steps on flash-attn's kernel, not FA3's decode tiles (environment below)
     "vattn-tilesall": {},  # FA3's decode tiles at every batch size, not flash-attn's kernel past 256 sequences
     "vattn-noprefixahead": {},  # cached prefixes mapped at admission only, not ahead of it (environment below)
+    "vattn-mapfirst": {},  # the next step's pages mapped while a step's kernels are queued, not after (environment)
     # One GPU, through Ray as the TP sides run, beside ``--tp N``'s: what N GPUs gain, in the call that measures vLLM
     "vattn-tp1": {"tensor_parallel_size": 1},
     # The same GPUs as pipeline stages, each a micro-batch in flight: the default (a token ring), the stages' own
@@ -131,6 +132,7 @@ VATTN_SIDES = {
 }
 VATTN_SIDE_ENV = {"vattn-fa2decode": {"VATTN_FA3_DECODE_TILES": "0"},
                   "vattn-noprefixahead": {"VATTN_PREFIX_AHEAD_TOKENS": "0"},
+                  "vattn-mapfirst": {"VATTN_MAP_DURING_LAUNCH": "1"},
                   "vattn-tilesall": {"VATTN_FA3_DECODE_TILES_MAX_BATCH": str(1 << 30)},
                   "vattn-oneshot": {"VATTN_PEER_ALL_REDUCE": "one_shot"},
                   "vattn-oneshot-depth2": {"VATTN_PEER_ALL_REDUCE": "one_shot"},

@@ -1,13 +1,14 @@
 """Worker: one model shard (a TP rank of a PP stage) with its own KV cache, async mapper and swap space.
 
-It applies each step's KV operations exactly as its scheduler recorded them, hands the next step's
-mapping plan to its mapper, and runs the step while the mapper maps. The same class runs in-process and
+It applies each step's KV operations exactly as its scheduler recorded them, queues the step's kernels, then
+hands the next step's mapping plan to its mapper, which maps while the device runs the step. The same class runs in-process and
 inside a Ray actor.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -155,6 +156,8 @@ class Worker:
                                       warm_rows=c.warm_rows, mixed_tokens=c.mixed_graph_tokens)
             self.swap = SwapSpace(self.cache) if c.swap else None
             self.mapper = AsyncMapper(self.cache)
+            # The order before 2026-11-29, to measure against (``bench/peer.py``'s ``vattn-mapfirst``).
+            self._map_during_launch = os.environ.get("VATTN_MAP_DURING_LAUNCH") == "1"
             self._graphs_ready = False  # the runner's CUDA graphs, captured at the first message (``launch``)
         except BaseException:
             self.cache.close()  # a failed allocation leaves no reservation behind
@@ -289,13 +292,20 @@ class Worker:
             self._graphs_ready = True
         if not step.seq_ids:
             return PendingOutput(step.step, None, None)
-        ahead = self.mapper.submit(MappingPlan(step.ahead, *step.eager, prefixes=step.prefixes))
+        mapping = MappingPlan(step.ahead, *step.eager, prefixes=step.prefixes)
+        # The next step's pages are mapped once this step's kernels are queued, not while they are: the mapper's
+        # driver calls beside a launch held the kernels back, and the device waited inside the step (on the H200
+        # mapping prefixes ahead added 0.42 s of device time to `prefix`'s 15.3, in both processes measured).
+        early = self._map_during_launch
+        ahead = self.mapper.submit(mapping) if early else None
         try:
             with self.profiler.phase("queue"):
                 launched = self.runner.launch(plan, inputs)
         except BaseException:
-            self.mapper.wait(ahead)
+            self.mapper.wait(ahead or self.mapper.submit(mapping))  # the cache keeps the ledger's pages all the same
             raise
+        if not early:
+            ahead = self.mapper.submit(mapping)
         pending = self._in_flight = PendingOutput(step.step, launched, ahead)
         return pending
 

@@ -829,3 +829,28 @@ def test_a_profile_records_each_step_as_a_range_named_after_what_it_runs(llm, tm
     assert phases == {f"vattn_phase_{p}" for p in ("map_wait", "kv_ops", "plan", "tp_agree", "queue")}
     with pytest.raises(RuntimeError, match="not recording"):
         llm.stop_profile()
+
+
+@pytest.mark.parametrize("during_launch", [False, True])
+def test_the_next_steps_pages_are_mapped_once_a_steps_kernels_are_queued_not_while_they_are(monkeypatch, during_launch):
+    # The mapper's driver calls beside a launch held the step's kernels back (on the H200, 0.42 s of device time on
+    # peer.py's `prefix`): the worker submits the next step's mapping plan after the launch. The order before
+    # (VATTN_MAP_DURING_LAUNCH=1) shows the probe sees the mapper's maps where they happen.
+    if during_launch:
+        monkeypatch.setenv("VATTN_MAP_DURING_LAUNCH", "1")
+    with LLM("tiny", kv_memory=16 << 20, max_num_seqs=8, max_model_len=256, page_size=4096, device="cpu") as engine:
+        worker = engine.core.executor.worker
+        cache, launch, during = worker.cache, worker.runner.launch, []
+
+        def watched(plan, inputs):
+            maps = cache.counters()[0]
+            launched = launch(plan, inputs)
+            during.append(cache.counters()[0] - maps)
+            return launched
+
+        worker.runner.launch = watched
+        prompts = [[(7 * i + j) % 200 + 1 for j in range(20 + 9 * i)] for i in range(8)]
+        engine.generate(prompts, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+        mapped = cache.counters()[0]
+    assert len(during) >= 60 and mapped > 50  # steps whose next step grew: plans with pages to map
+    assert (sum(during) > 0) == during_launch
