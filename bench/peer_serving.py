@@ -130,17 +130,11 @@ def our_clients(label: str, model: Path, args, concurrency: list[int] | None = N
                     SERVED, "--concurrency", *map(str, args.concurrency if concurrency is None else concurrency),
                     "--rates", *map(str, args.rates if rates is None else rates),
                     "--rate-seconds", str(rate_seconds or args.rate_seconds), "--seed", str(seed),
-                    "--rounds", str(rounds or args.rounds), *client_sampling(args),
+                    "--rounds", str(rounds or args.rounds), "--temperature", str(args.client_temperature),
                     "--input", str(args.input), "--output", str(args.output), "--vocab", str(args.vocab),
                     "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
                     "--name", name, "--out", str(args.work), "--engine-metrics"], check=True)
     return json.loads((args.work / f"{name}.json").read_text())
-
-
-def client_sampling(args) -> list[str]:
-    """Our client's draw: greedy by default, else ``--client-temperature`` (-1: the server's default, as ``vllm bench
-    serve`` leaves it) -- whether a gap under vLLM's client is the draw or the client."""
-    return ["--temperature", str(args.client_temperature)]
 
 
 def offline(model: Path, args) -> dict:
@@ -530,7 +524,8 @@ def main() -> None:
                         "this many tokens, replay CUDA graphs (0: eagerly; default: the engine's)")
     parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
     parser.add_argument("--client-temperature", type=float, default=0.0, help="our client's temperature (-1: each "
-                        "server's default, as `vllm bench serve` leaves it; default greedy)")
+                        "server's default, as `vllm bench serve` leaves it; default greedy): whether a gap seen only "
+                        "under vLLM's client is the draw or the client")
     parser.add_argument("--profile", type=int, nargs="*", default=[], help="after the clients, drive each server "
                         "with `vllm bench serve` at these concurrencies while its processes are sampled (py-spy, CPU "
                         "per thread; bench/process_sampler.py) and its steps recorded under torch's profiler for 2 s; "

@@ -1,8 +1,8 @@
 """Worker: one model shard (a TP rank of a PP stage) with its own KV cache, async mapper and swap space.
 
 It applies each step's KV operations exactly as its scheduler recorded them, queues the step's kernels, then
-hands the next step's mapping plan to its mapper, which maps while the device runs the step. The same class runs in-process and
-inside a Ray actor.
+hands the next step's mapping plan to its mapper, which maps while the device runs the step. The same class runs
+in-process and inside a Ray actor.
 """
 
 from __future__ import annotations
@@ -294,18 +294,16 @@ class Worker:
             return PendingOutput(step.step, None, None)
         mapping = MappingPlan(step.ahead, *step.eager, prefixes=step.prefixes)
         # The next step's pages are mapped once this step's kernels are queued, not while they are: the mapper's
-        # driver calls beside a launch held the kernels back, and the device waited inside the step (on the H200
-        # mapping prefixes ahead added 0.42 s of device time to `prefix`'s 15.3, in both processes measured).
-        early = self._map_during_launch
-        ahead = self.mapper.submit(mapping) if early else None
+        # driver calls beside a launch can hold the kernels back, the device waiting inside the step (on the H200,
+        # mapping prefixes ahead added 0.42 s of device time to peer.py's `prefix`, 15.3 s, in every process).
+        ahead = self.mapper.submit(mapping) if self._map_during_launch else None
         try:
             with self.profiler.phase("queue"):
                 launched = self.runner.launch(plan, inputs)
         except BaseException:
             self.mapper.wait(ahead or self.mapper.submit(mapping))  # the cache keeps the ledger's pages all the same
             raise
-        if not early:
-            ahead = self.mapper.submit(mapping)
+        ahead = ahead or self.mapper.submit(mapping)
         pending = self._in_flight = PendingOutput(step.step, launched, ahead)
         return pending
 

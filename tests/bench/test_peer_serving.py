@@ -152,10 +152,7 @@ def test_served_rate_is_set_against_the_offline_rate_on_the_same_prompts_per_clo
     assert peer_serving.max_model_len(argparse.Namespace(prefix_len=0, input=512, output=128)) == 704
 
 
-def test_our_client_draws_greedily_unless_told_and_an_offline_comparison_stays_greedy(tmp_path):
-    assert peer_serving.client_sampling(argparse.Namespace(client_temperature=0.0)) == ["--temperature", "0.0"]
-    # -1: each server's default draw, as `vllm bench serve` sends no temperature (bench/serving.py sends none)
-    assert peer_serving.client_sampling(argparse.Namespace(client_temperature=-1.0)) == ["--temperature", "-1.0"]
+def test_an_offline_comparison_refuses_a_client_that_does_not_draw_greedily(tmp_path):
     done = subprocess.run([sys.executable, peer_serving.__file__, "--offline", "--client-temperature", "1",
                            "--work", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2

@@ -833,9 +833,9 @@ def test_a_profile_records_each_step_as_a_range_named_after_what_it_runs(llm, tm
 
 @pytest.mark.parametrize("during_launch", [False, True])
 def test_the_next_steps_pages_are_mapped_once_a_steps_kernels_are_queued_not_while_they_are(monkeypatch, during_launch):
-    # The mapper's driver calls beside a launch held the step's kernels back (on the H200, 0.42 s of device time on
-    # peer.py's `prefix`): the worker submits the next step's mapping plan after the launch. The order before
-    # (VATTN_MAP_DURING_LAUNCH=1) shows the probe sees the mapper's maps where they happen.
+    # The mapper's driver calls beside a launch can hold the step's kernels back (on the H200, 0.42 s more device
+    # time on peer.py's `prefix`): the worker submits the next step's mapping plan after the launch. The order before
+    # (VATTN_MAP_DURING_LAUNCH=1) shows that the probe sees the mapper's maps where they happen.
     if during_launch:
         monkeypatch.setenv("VATTN_MAP_DURING_LAUNCH", "1")
     with LLM("tiny", kv_memory=16 << 20, max_num_seqs=8, max_model_len=256, page_size=4096, device="cpu") as engine:
