@@ -232,11 +232,16 @@ def load_name(level: dict) -> str:
     return f"{level['rate']:g}/s" if level.get("rate") else f"{level['concurrency']} clients"
 
 
-def vllm_clients(label: str, model: Path, args) -> list[dict]:
-    """``vllm bench serve`` at each concurrency, then at each Poisson rate, against the running server."""
-    return ([vllm_client(label, c, max(16, args.rounds * c), model, args) for c in args.concurrency]
-            + [vllm_client(label, None, max(16, round(rate * args.rate_seconds)), model, args, rate=rate)
-               for rate in args.rates])
+def vllm_clients(label: str, model: Path, args, keep=lambda levels: None) -> list[dict]:
+    """``vllm bench serve`` at each concurrency, then at each Poisson rate, against the running server; ``keep`` is
+    given the levels so far after each."""
+    loads = ([(c, None, max(16, args.rounds * c)) for c in args.concurrency]
+             + [(None, rate, max(16, round(rate * args.rate_seconds))) for rate in args.rates])
+    levels = []
+    for c, rate, requests in loads:
+        levels.append(vllm_client(label, c, requests, model, args, rate=rate))
+        keep(levels)
+    return levels
 
 
 #: The processes ``--profile`` samples, per side: the step loop's, the HTTP front's, the GPU worker's.
@@ -411,7 +416,9 @@ def vllm_client_table(runs: list[dict]) -> tuple[list[str], list[list]]:
     return headers, rows
 
 
-def run_side(side: str, index: int, model: Path, args) -> dict:
+def run_side(side: str, index: int, model: Path, args, keep=lambda result: None) -> dict:
+    """One server started, driven by the clients, stopped; what they measured. ``keep`` is given that so far after
+    each client's levels (a run its time limit stops keeps them: ``Progress``)."""
     label = f"{index}_{side}"
     command, env = server_command(side, model, args)
     log = open(args.work / f"{label}_server.log", "w")
@@ -426,8 +433,10 @@ def run_side(side: str, index: int, model: Path, args) -> dict:
             with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/version", timeout=10) as r:
                 result["version"] = json.loads(r.read())["version"]
         result["ours"] = our_clients(label, model, args)
+        keep(result)
         if args.vllm_client:
-            result["vllm_client"] = vllm_clients(label, model, args)
+            result["vllm_client"] = vllm_clients(label, model, args,
+                                                 lambda levels: keep(result | {"vllm_client": levels}))
         if profiled_loads(args):
             result["profiled"] = profiled_clients(side, label, model, args)
         return result
@@ -544,6 +553,8 @@ def main() -> None:
     parser.add_argument("--name", default="peer_serving")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     parser.add_argument("--replot", type=Path, help="draw the figure of a results file again, and run nothing")
+    parser.add_argument("--finish", type=Path, help="the results file (tables, figure) of a run stopped before its "
+                        "end, from the progress it left in its --work (<name>.progress.json), and run nothing")
     args = parser.parse_args()
     if args.offline and args.client_temperature != 0:
         parser.error("--offline sets the served rate against a greedy offline run: leave --client-temperature at 0")
@@ -553,28 +564,68 @@ def main() -> None:
         plot(data["levels"], args.replot.with_suffix(".png"), f"{data['device']}, {data['date'][:10]}",
              {"headers": headers, "rows": rows})
         return
+    if args.finish:
+        progress = json.loads(args.finish.read_text())
+        args.model = progress["args"]["model"]
+        # Where and when it ran, not here and now; what it did not finish is named.
+        write_results(progress["runs"], args, {k: progress[k] for k in ("device", "date", "command", "versions")}
+                      | {"partial": f"stopped before its end; written from {args.finish.name} by --finish",
+                         "args": progress["args"]})
+        return
     args.work.mkdir(parents=True, exist_ok=True)
     model = write_model_dir(args.model, args.work)
+    progress = Progress(args.work / f"{args.name}.progress.json", args)
     runs = []
     for index, side in enumerate(args.sides if args.once else args.sides + args.sides[::-1]):
         try:
-            runs.append(run_side(side, index, model, args))
+            runs.append(run_side(side, index, model, args, lambda result: progress.keep(runs + [result])))
+            progress.keep(runs)
         except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
             print(f"--- [{index}] {side} FAILED: {exc}", flush=True)
-    headers, rows, data = compare(runs) if {r["side"] for r in runs} == {"vattn", "vllm"} else ([], [], {})
-    if args.vllm_client:
+    offline_run = offline(model, args) if args.offline and any(r["side"] == "vattn" for r in runs) else None
+    write_results(runs, args, {"args": {k: str(v) for k, v in vars(args).items()}}, offline_run)
+    progress.path.unlink(missing_ok=True)  # none where every side failed
+
+
+class Progress:
+    """The runs measured so far, written to ``path`` after every level a client finishes: a run its time limit stops
+    keeps them (``--finish`` writes its results file from them). Where it runs is read without CUDA: this process
+    holds no device memory while the servers run."""
+
+    def __init__(self, path: Path, args) -> None:
+        self.path = path
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True) if args.device == "cuda" else None
+        self.head = {"device": gpu.stdout.splitlines()[0] if gpu and gpu.returncode == 0 else "cpu",
+                     "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+                     "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                     "versions": {"torch": report.torch.__version__},
+                     "args": {k: str(v) for k, v in vars(args).items()}}
+
+    def keep(self, runs: list[dict]) -> None:
+        self.path.write_text(json.dumps(self.head | {"runs": runs}, indent=1) + "\n")
+
+
+def write_results(runs: list[dict], args, data: dict, offline_run: dict | None = None) -> Path:
+    """The results file of ``runs`` (and the figure, where both sides ran): per-level comparison under our client,
+    ``vllm bench serve``'s view, served against offline; ``data`` added. A side's run missing a client's levels (a
+    stopped run's last) counts in the views it has."""
+    whole = [r for r in runs if "ours" in r]
+    headers, rows, compared = compare(whole) if {r["side"] for r in whole} == {"vattn", "vllm"} else ([], [], {})
+    data = compared | data
+    if any("vllm_client" in r for r in runs):
         client_headers, client_rows = vllm_client_table(runs)
         print("the same servers driven by `vllm bench serve`:\n" + tabulate(client_rows, client_headers, floatfmt=".3f"))
         data["vllm_client_table"] = {"headers": client_headers, "rows": client_rows}
-    if args.offline and any(r["side"] == "vattn" for r in runs):
-        offline_headers, offline_rows, data["served_over_offline"] = served_over_offline(runs, offline(model, args))
+    if offline_run is not None:
+        offline_headers, offline_rows, data["served_over_offline"] = served_over_offline(whole, offline_run)
         print("vattn served against its own offline rate on the same prompts:\n"
               + tabulate(offline_rows, offline_headers, floatfmt=".3f"))
-    path = report.write(args.name, headers, rows, data | {"args": {k: str(v) for k, v in vars(args).items()},
-                                                          "runs": runs}, args.out)
+    path = report.write(args.name, headers, rows, data | {"runs": runs}, args.out)
     if "levels" in data:  # both sides ran
         plot(data["levels"], path.with_suffix(".png"), f"vattn serve vs vllm serve, {args.model}",
              data.get("vllm_client_table"))
+    return path
 
 
 if __name__ == "__main__":

@@ -158,3 +158,36 @@ def test_an_offline_comparison_refuses_a_client_that_does_not_draw_greedily(tmp_
     assert done.returncode == 2
     assert "--offline sets the served rate against a greedy offline run" in done.stderr
     assert not any(tmp_path.iterdir())  # refused before anything was written or started
+
+
+def test_a_run_stopped_before_its_end_keeps_what_it_measured_and_finish_writes_its_results(tmp_path):
+    args = argparse.Namespace(device="cpu", model="llama-3-8b", name="peer", work=tmp_path)
+    progress = peer_serving.Progress(tmp_path / "peer.progress.json", args)
+
+    def ours(tok_s):
+        return {"levels": [level(64, tok_s, 0.4, 0.8, 0.009), level(256, 2 * tok_s, 1.6, 3.2, 0.029)]}
+
+    def client(c, tok_s):
+        return {"concurrency": c, "rate": None, "output_throughput": tok_s, "median_ttft_ms": 400.0,
+                "median_tpot_ms": 7.7}
+
+    vattn = {"side": "vattn", "start_s": 46.0, "ours": ours(5000), "vllm_client": [client(64, 5700), client(256, 7900)]}
+    # vLLM's side stopped inside its second `vllm bench serve` level: what it finished is kept
+    progress.keep([vattn, {"side": "vllm", "start_s": 90.0, "version": "0.26.0", "ours": ours(4900),
+                           "vllm_client": [client(64, 6000)]}])
+    kept = json.loads(progress.path.read_text())
+    assert kept["device"] == "cpu" and len(kept["runs"]) == 2 and kept["args"]["model"] == "llama-3-8b"
+    kept["device"] = "NVIDIA H200"  # as the GPU machine wrote it
+    progress.path.write_text(json.dumps(kept))
+
+    done = subprocess.run([sys.executable, peer_serving.__file__, "--finish", str(progress.path), "--name", "peer",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "out" / "peer.json").read_text())
+    assert results["device"] == "NVIDIA H200" and "stopped before its end" in results["partial"]
+    assert [row[:4] for row in results["table"]["rows"]] == [["64 clients", 5000, 4900, pytest.approx(5000 / 4900)],
+                                                             ["256 clients", 10000, 9800, pytest.approx(10000 / 9800)]]
+    client_rows = results["vllm_client_table"]["rows"]
+    assert client_rows[0][:4] == ["64 clients", 5700, 6000, pytest.approx(0.95)]
+    assert client_rows[1][:4] == ["256 clients", 7900, None, None]  # vLLM's level never ran
+    assert (tmp_path / "out" / "peer.png").stat().st_size > 10_000
