@@ -596,11 +596,8 @@ class Progress:
         self.path = path
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True) if args.device == "cuda" else None
-        self.head = {"device": gpu.stdout.splitlines()[0] if gpu and gpu.returncode == 0 else "cpu",
-                     "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-                     "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                     "versions": {"torch": report.torch.__version__},
-                     "args": {k: str(v) for k, v in vars(args).items()}}
+        self.head = report.environment(gpu.stdout.splitlines()[0] if gpu and gpu.returncode == 0 else "cpu") | {
+            "args": {k: str(v) for k, v in vars(args).items()}}
 
     def keep(self, runs: list[dict]) -> None:
         self.path.write_text(json.dumps(self.head | {"runs": runs}, indent=1) + "\n")

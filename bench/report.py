@@ -16,15 +16,16 @@ from tabulate import tabulate
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def environment() -> dict:
-    """Device, date, versions and command line of this run."""
+def environment(device: str | None = None) -> dict:
+    """Device, date, versions and command line of this run. ``device`` named by the caller: CUDA is left alone (a
+    process that must hold no device memory while others run), and the kernels' versions with it."""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("cuda-bindings", "ray", "vattn"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
-    if torch.cuda.is_available():
+    if device is None and torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
         versions["cuda"] = torch.version.cuda
         for module in ("flash_attn", "flash_attn_3", "flashinfer"):  # attention kernels, often built on the machine
@@ -35,7 +36,7 @@ def environment() -> dict:
                     versions[module] += " (decode tiles)"
             except Exception:  # not there, or not importable: the backends that need it say so
                 pass
-    else:
+    elif device is None:
         device = f"cpu ({platform.processor() or platform.machine()})"
     return {
         "device": device,
