@@ -1,10 +1,12 @@
 """The sampler's cost per step on the device: the batched draw (``worker.sampling.sample``) against the row-by-row
-draw it replaced and against greedy argmax (the floor), at the batch sizes of a decode step.
+draw it replaced and against greedy argmax (the floor), at the batch sizes of a decode step; and the draw's kernel
+alone, each row's vocabulary cut into parts (now) against one program a row (before).
 
     python bench/sampling.py [--rows 1 16 64 256] [--vocab 128256]
 
-Each variant samples the same float32 logits; the variants take turns within every iteration (so drift hits all
-alike), timed by CUDA events around each, median of ``--iters``.
+Each variant samples the same logits (``--dtype``, the model's by default); the variants take turns within every
+iteration (so drift hits all alike), timed by CUDA events around each on the device alone (``time_ms``), median of
+``--iters``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report  # noqa: E402
+from worker import kernels  # noqa: E402
 from worker.sampling import SamplingParams, noise_keys, sample  # noqa: E402
 
 
@@ -35,6 +38,9 @@ def row_by_row(logits: torch.Tensor, params: list[SamplingParams], seeds: list[i
 
 
 def time_ms(fn, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+    """The device's time for ``fn``'s kernels: a spin kernel ahead of them holds the device while the host queues
+    them (as the engine queues a step's draw while the step runs), so the host's launch time is not counted."""
+    torch.cuda._sleep(20_000_000)  # ~10 ms: longer than queuing any variant
     start.record()
     fn()
     end.record()
@@ -47,6 +53,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--dtype", default="bfloat16", help="the logits' (the engine draws from the model's dtype)")
     parser.add_argument("--name", default="sampling_h100")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     args = parser.parse_args()
@@ -54,12 +61,17 @@ def main() -> None:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows_out, raw = [], {}
     for rows in args.rows:
-        logits = 4 * torch.randn(rows, args.vocab, device="cuda")
+        logits = (4 * torch.randn(rows, args.vocab, device="cuda")).to(getattr(torch, args.dtype))
         plain = [SamplingParams(temperature=0.8)] * rows
         masked = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9)] * rows
         keys = [noise_keys(r, 0, 1) for r in range(rows)]
+        temperature = torch.full((rows,), 0.8, device="cuda")
+        key_words = torch.tensor(keys, dtype=torch.int64, device="cuda")
         variants = {
             "greedy argmax": lambda: logits.argmax(-1),
+            "draw kernel, parts": lambda: kernels.gumbel_argmax(logits, temperature, key_words),
+            "draw kernel, a program a row (before)": lambda: kernels.gumbel_argmax(logits, temperature, key_words,
+                                                                                  parts=1),
             "batched": lambda: sample(logits, plain, keys),
             "batched top-k/top-p": lambda: sample(logits, masked, keys),
             "row by row (before)": lambda: row_by_row(logits, plain, list(range(rows))),
@@ -76,7 +88,7 @@ def main() -> None:
         raw[rows] = times
         rows_out.append([rows, *(statistics.median(times[name]) for name in variants)])
         headers = ["rows", *(f"{name} ms" for name in variants)]
-    report.write(args.name, headers, rows_out, {"vocab": args.vocab, "iters": args.iters, "raw_ms": raw}, args.out)
+    report.write(args.name, headers, rows_out, {"vocab": args.vocab, "dtype": args.dtype, "iters": args.iters, "raw_ms": raw}, args.out)
 
 
 if __name__ == "__main__":

@@ -420,7 +420,10 @@ class ModelRunner:
         if penalized:
             logits = self._penalties.apply(logits, [row for row, _ in penalized], [c.seq_id for _, c in penalized],
                                            [c.params for _, c in penalized])
-        tokens = self.model.vocab_tp.argmax_columns(logits) if sliced else logits.argmax(-1)
+        # Where every row draws (temperature sampling for the whole batch: the server's default), no argmax.
+        every_row_draws = bool(sampled) and len(sampled) == len(wanted)
+        tokens = None if every_row_draws else (
+            self.model.vocab_tp.argmax_columns(logits) if sliced else logits.argmax(-1))
         # The draws: every sampled row's first, then the later ones of each n > 1, row by row (``more``'s order).
         draws = [(row, 0) for row in sampled]
         more, later_from = [], {}  # row -> where its later draws start among the draws
@@ -433,9 +436,14 @@ class ModelRunner:
         if draws:
             cs = [chunks[wanted[row]] for row, _ in draws]
             keys = [noise_keys(c.seed, c.sample_index + k, c.output_index) for c, (_, k) in zip(cs, draws)]
-            drawn = sample(logits[to_device(torch.tensor([row for row, _ in draws]), logits.device)],
+            # the rows as they are where the draws are the rows in order (no gathered copy of the logits)
+            drawn = sample(logits if every_row_draws and not more else
+                           logits[to_device(torch.tensor([row for row, _ in draws]), logits.device)],
                            [c.params for c in cs], keys)
-            tokens[to_device(torch.tensor(sampled), logits.device)] = drawn[: len(sampled)]
+            if every_row_draws:
+                tokens = drawn[: len(sampled)]
+            else:
+                tokens[to_device(torch.tensor(sampled), logits.device)] = drawn[: len(sampled)]
             every = torch.cat([tokens, drawn])  # a draw's token: its row's for a first, len(tokens) + its place else
             later = drawn[len(sampled):] if more else None
         if penalized:  # the token each draws now counts in its next step's penalties, on the device

@@ -130,6 +130,28 @@ def test_gumbel_argmax_draws_the_references_tokens(rows, vocab):
     assert (got == want).float().mean() >= 0.99 and int(got[0]) < 3
 
 
+@pytest.mark.parametrize("vocab", [128256, 4097])
+def test_gumbel_argmax_gives_a_row_the_same_token_in_any_batch_and_finds_it_in_any_part(vocab):
+    """The vocabulary is cut into more parts the fewer the rows: a row drawn alone and in a batch of 300 gets the
+    same token, and a row whose only finite logits lie in the middle or at the very end of its vocabulary gets one
+    of them."""
+    from worker.sampling import noise_keys
+
+    rows = 300
+    logits = 4 * torch.randn(rows, vocab, device="cuda")
+    middle, end = vocab // 2, vocab - 2
+    logits[1, :middle] = logits[1, middle + 3:] = float("-inf")
+    logits[2, :end] = float("-inf")
+    temperature = torch.rand(rows, device="cuda") + 0.2
+    keys = torch.tensor([noise_keys(3, r, 5) for r in range(rows)], dtype=torch.int64, device="cuda")
+    batch = kernels.gumbel_argmax(logits, temperature, keys)
+    alone = torch.cat([kernels.gumbel_argmax(logits[r : r + 1], temperature[r : r + 1], keys[r : r + 1])
+                       for r in range(8)])
+    assert torch.equal(alone, batch[:8])
+    assert torch.equal(kernels.gumbel_argmax(logits, temperature, keys, parts=1), batch)  # one program a row
+    assert middle <= int(batch[1]) < middle + 3 and int(batch[2]) >= end
+
+
 @pytest.mark.parametrize(("rows", "width", "vocab"), [(128, 128256, 128256), (33, 4100, 4097), (3, 7, 5)])
 def test_penalties_kernel_gives_the_references_logits(rows, width, vocab):
     """Rows of nine sequences' counts and prompts, rows without penalties (-1) left alone, columns past the
