@@ -4,8 +4,10 @@ new slot) and a prefill's ``ensure`` do per 2 MiB physical page.
 Over one reservation backed by the read-only zero page (as ``VirtualKVCache`` keeps unmapped space), for a run of
 ``--pages`` pages, median over ``--reps`` of microseconds per page: the attach as ``VirtualKVCache`` did it (unmap each
 zero page, then one ``map_run``), with one ``cuMemUnmap`` over the zero pages instead, its parts alone (unmap, map,
-access), a run over pages mapped elsewhere too (a shared prefix), two threads mapping halves at once, and the detach
-(unmap, zero page back).
+access), a run over pages mapped elsewhere too (a shared prefix), two threads mapping halves at once, the detach
+(unmap, zero page back), and the same bytes in fewer, larger physical allocations (``--groups``: pages an allocation
+holds; a cuMemMap and a cuMemSetAccess each) -- whether the driver's cost goes with the allocations or the bytes --
+and pages carved from one allocation (a cuMemMap each at its offset, one cuMemSetAccess over the run).
 
     python bench/vmm_run_costs.py [--pages 96] [--reps 7]
 """
@@ -16,6 +18,7 @@ import argparse
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,7 +27,7 @@ from kvmem.vmm.cuda import CudaVMM, cu
 
 
 class Bench:
-    def __init__(self, pages: int, reps: int):
+    def __init__(self, pages: int, reps: int, groups: list[int]):
         torch.zeros(1, device="cuda")
         self.vmm, self.n, self.reps = CudaVMM(0), pages, reps
         self.g = g = self.vmm.granularity
@@ -33,6 +36,8 @@ class Bench:
         for zone in self.zones:
             self.zero(zone)
         self.handles = [self.vmm.create(g) for _ in range(pages)]
+        # pages an allocation holds -> the allocations holding the run's bytes
+        self.grouped = {k: [self.vmm.create(k * g) for _ in range(pages // k)] for k in groups if pages % k == 0}
         self.results: dict[str, float] = {}
 
     def zero(self, zone: int) -> None:
@@ -105,19 +110,47 @@ class Bench:
         self.time("two threads, half the run each (attach as today)", halves, undo=lambda: self.restore(self.zones[2]))
         self.time("detach: unmap, zero page back", lambda: self.restore(z),
                   setup=lambda: (self.unmap_each(z), vmm.map_run(z, g, hs)))
+        for k, big in self.grouped.items():
+            def unmap_groups(big=big, k=k):
+                for i in range(len(big)):
+                    check(cu.cuMemUnmap(z + i * k * g, k * g), "cuMemUnmap")
+            self.time(f"map_run over unbacked space, allocations of {k} pages", lambda big=big, k=k:
+                      vmm.map_run(z, k * g, big), setup=lambda: self.unmap_each(z),
+                      undo=lambda unmap_groups=unmap_groups: (unmap_groups(), self.zero(z)))
+        # (Last: where the driver refuses an offset, the zone is left as the failure left it.)
+        # Pages carved from one allocation, each mapped at its own offset into it, in an order unlike the
+        # allocation's (a pool's pages as slots come to hold them), then one cuMemSetAccess over the run: whether
+        # the access call's cost goes with the allocations or with the mappings.
+        carved = self.vmm.create(self.n * g)
+        order = [(i * 37) % self.n for i in range(self.n)] if self.n % 37 else list(reversed(range(self.n)))
+
+        def map_carved():
+            for i, at in enumerate(order):
+                check(cu.cuMemMap(z + i * g, g, at * g, carved, 0), "cuMemMap at an offset")
+            access()
+        try:
+            self.time("map_run over unbacked space, pages carved from one allocation", map_carved,
+                      setup=lambda: self.unmap_each(z), undo=lambda: self.restore(z))
+        except RuntimeError as e:  # a driver that maps whole allocations only (offset 0)
+            print(f"pages carved from one allocation: {e}")
+            self.results["map_run over unbacked space, pages carved from one allocation"] = float("nan")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=96, help="pages in the run (a 3K-token prefix of llama-3-8b)")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--groups", type=int, nargs="*", default=[4, 16, 96],
+                        help="pages an allocation holds, for the rows of fewer, larger allocations")
     parser.add_argument("--name", default="vmm_run_costs")
+    parser.add_argument("--out", type=Path, default=report.RESULTS)
     args = parser.parse_args()
-    bench = Bench(args.pages, args.reps)
+    bench = Bench(args.pages, args.reps, args.groups)
     bench.run()
     rows = [[name, us] for name, us in bench.results.items()]
     report.write(args.name, ["what (2 MiB pages)", "us / page"], rows,
-                 {"pages": args.pages, "reps": args.reps, "results_us_per_page": bench.results})
+                 {"pages": args.pages, "reps": args.reps, "groups": args.groups,
+                  "results_us_per_page": bench.results}, args.out)
 
 
 if __name__ == "__main__":
