@@ -50,28 +50,32 @@ class CollectorPauses:
 
 
 def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool = True,
-                eager_slots: int | None = None) -> dict:
-    """``steps`` scheduler steps of ``clients`` clients (512-token random prompts, 128 tokens out, greedy). A finished
-    request is let go of as ``EngineCore`` does (``Request.release``); ``release=False`` leaves it to the cyclic
-    collector, as before 2026-11-28. ``eager_slots``: the engine's option (None: its default, or a tree's without it)."""
+                eager_slots: int | None = None, prefixes: int = 0, prefix_len: int = 0, own: int = 512) -> dict:
+    """``steps`` scheduler steps of ``clients`` clients (``own``-token random prompts, 128 tokens out, greedy; with
+    ``prefixes``, each prompt starts with one of that many shared ``prefix_len``-token prefixes drawn at random, as
+    ``bench/serving.py --prefixes`` sends them). A finished request is let go of as ``EngineCore`` does
+    (``Request.release``); ``release=False`` leaves it to the cyclic collector, as before 2026-11-28. ``eager_slots``:
+    the engine's option (None: its default, or a tree's without it)."""
     from cluster.config import EngineConfig, model_config, plan
     from cluster.scheduler import Scheduler
     from cluster.sequence import Request, Sequence
     from worker.sampling import SamplingParams
 
-    config = EngineConfig("llama-3-8b", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=704,
+    config = EngineConfig("llama-3-8b", max_num_seqs=256, max_num_batched_tokens=8192,
+                          max_model_len=prefix_len + own + 128 + 64,
                           kv_memory=kv_gib << 30, dtype="bfloat16", enable_prefix_caching=True,
                           **({} if eager_slots is None else {"eager_slots": eager_slots}))
     engine_plan = plan(config, model_config("llama-3-8b"), "cuda")
     ledger = engine_plan.new_ledger()
     scheduler = Scheduler(engine_plan.scheduler, ledger)
     rng = random.Random(seed)
+    shared = [[rng.randrange(32000) for _ in range(prefix_len)] for _ in range(prefixes)]
     params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
     added = 0
 
     def add() -> None:
         nonlocal added
-        prompt = [rng.randrange(32000) for _ in range(512)]
+        prompt = (rng.choice(shared) if shared else []) + [rng.randrange(32000) for _ in range(own)]
         request = Request(str(added), None, tuple(prompt), params, 0)
         request.seqs.append(Sequence(scheduler.new_seq_id(), request, 0, prompt))
         scheduler.add(request.seqs[0])
@@ -126,7 +130,9 @@ def in_tree(tree: Path, args) -> list[dict]:
     env = report.tree_env(tree)
     done = subprocess.run([sys.executable, __file__, "--json", "--clients", *map(str, args.clients), "--steps",
                            str(args.steps), "--kv-gib", str(args.kv_gib), "--seed", str(args.seed),
-                           *(["--eager-slots", str(args.eager_slots)] if args.eager_slots is not None else [])],
+                           *(["--eager-slots", str(args.eager_slots)] if args.eager_slots is not None else []),
+                           *(["--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len)]
+                             if args.prefixes else []), "--input", str(args.input)],
                           env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -157,11 +163,16 @@ def main() -> None:
     parser.add_argument("--release-ab", action="store_true", help="this tree, finished requests left to the cyclic "
                         "collector (A) and let go of (B, as the engine does), ABBA in this process")
     parser.add_argument("--eager-slots", type=int, help="EngineConfig.eager_slots of the runs (default: the engine's)")
+    parser.add_argument("--prefixes", type=int, default=0, help="shared prefixes: each prompt starts with one of "
+                        "this many (drawn at random) of --prefix-len tokens")
+    parser.add_argument("--prefix-len", type=int, default=0)
+    parser.add_argument("--input", type=int, default=512, help="each prompt's own tokens (after its prefix)")
     parser.add_argument("--name", default="scheduler_serving")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     args = parser.parse_args()
     if args.json:
-        print(json.dumps([closed_loop(c, args.steps, args.kv_gib, args.seed, eager_slots=args.eager_slots)
+        print(json.dumps([closed_loop(c, args.steps, args.kv_gib, args.seed, eager_slots=args.eager_slots,
+                                      prefixes=args.prefixes, prefix_len=args.prefix_len, own=args.input)
                           for c in args.clients]))
         return
     if args.release_ab:
@@ -183,7 +194,8 @@ def main() -> None:
     report.write(args.name, ["clients", "tree", "us / step", "p99 us", "max us", "mapped ahead", "maps in step / req",
                              "unmaps in step / req", "maps ahead / req", "unmaps ahead / req"], rows,
                  {"trees": {k: str(v) for k, v in trees.items()}, "order": list(order), "runs": runs,
-                  "kv_gib": args.kv_gib, "steps": args.steps}, args.out)
+                  "kv_gib": args.kv_gib, "steps": args.steps, "prefixes": args.prefixes,
+                  "prefix_len": args.prefix_len, "input": args.input}, args.out)
 
 
 if __name__ == "__main__":
