@@ -178,8 +178,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     ``[rows, vocab]`` int64 tensors: milliseconds at 256 rows of a 128K vocabulary).
 
     Each row's vocabulary is cut into parts, enough programs to fill the device, each part's best (score, id) kept,
-    then the parts' best taken: one program a row walked 128K ids alone, ~0.15 ms whatever the batch
-    (``bench/results/sampling_h100.json``). The argmax is exact, a tie going to the first id, so the token does not
+    then the parts' best taken: one program a row walked 128K ids alone, 0.11-0.14 ms of device time whatever the
+    batch, where the parts take 0.01-0.04 ms up to 64 rows (H200, ``bench/results/sampling_parts_h200.json``). The argmax is exact, a tie going to the first id, so the token does not
     depend on how the row was cut, nor on the batch. ``parts``: cut each row in at most this many (None: enough
     to fill the device; 1: one program a row, as before, for ``bench/sampling.py``)."""
     if not fused(logits) or logits.stride(-1) != 1:
