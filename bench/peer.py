@@ -15,7 +15,7 @@ peer. The floor is measured in the same call. Results of another call, or of oth
 Every timed run starts from an empty prefix cache in both engines; ``prefix`` and ``chat`` share prefixes within
 the run (``vattn-nocache``: vattn with prefix caching off, for the gain; ``vattn-zero``: the zero page over 256 tokens
 past each slot's pages, for what it costs; ``vattn-noguard``: the zero page over all unmapped KV space, not only 256 tokens past each slot's pages;
-``vattn-page8m``, ``vattn-page4m``: 8 or 4 MiB pages; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size; ``vattn-noprefixahead``: cached prefixes mapped at admission only; ``vattn-mapfirst``: the next step's pages mapped while a step's kernels are queued (the order before 2026-11-29), not after;
+``vattn-page8m``, ``vattn-page4m``: 8 or 4 MiB pages; ``vattn-fused``: cached prefixes of 16 pages or more fused into one allocation on their first reuse; ``vattn-fa2decode``: all-decode steps on flash-attn's kernel, not FA3's decode tiles; ``vattn-tilesall``: FA3's decode tiles at every batch size; ``vattn-noprefixahead``: cached prefixes mapped at admission only; ``vattn-mapfirst``: the next step's pages mapped while a step's kernels are queued (the order before 2026-11-29), not after;
 ``vattn-tp1``: one GPU beside ``--tp N``'s sides; ``vattn-pp2`` (a token ring by default), ``vattn-pp2-p2p``,
 ``vattn-pp2-channel``: with ``--tp 2``, the two GPUs as pipeline stages; ``vattn-nccl``: with ``--tp N``, every sum on NCCL, none through
 peer memory; ``vattn-depth2``: two steps in flight through Ray, ``async_depth=2``, not three; ``vattn-oneshot``: with
@@ -110,6 +110,7 @@ VATTN_SIDES = {
     "vattn-noguard": {"zero_unmapped": True, "kv_guard_tokens": None},  # the zero page over all unmapped KV space
     "vattn-page8m": {"page_size": 8 << 20},  # a quarter of the driver calls a token, at 4x coarser prefix granularity
     "vattn-page4m": {"page_size": 4 << 20},  # half the driver calls a token (they go by allocation), at 2x coarser
+    "vattn-fused": {"fused_prefix_pages": 16},  # a cached prefix reused elsewhere made one allocation: one call a map
     "vattn-fa3": {"attention": "fa3"},  # FlashAttention-3, one kernel a step (tools/build_fa3.py), as vLLM runs
     "vattn-fa2decode": {},  # all-decode steps on flash-attn's kernel, not FA3's decode tiles (environment below)
     "vattn-tilesall": {},  # FA3's decode tiles at every batch size, not flash-attn's kernel past 256 sequences

@@ -79,6 +79,7 @@ def server_command(side: str, model: Path, args) -> tuple[list[str], dict]:
             "--served-model-name", SERVED, "--device", args.device, "--dtype", args.dtype,
             "--kv-memory", f"{int(args.kv_memory_gib * 1024)}MiB", "--ingress-replicas", str(args.ingress_replicas),
             *([] if args.mixed_graph_tokens is None else ["--mixed-graph-tokens", str(args.mixed_graph_tokens)]),
+            *(["--fused-prefix-pages", str(args.fused_prefix_pages)] if args.fused_prefix_pages else []),
             *shared], env
 
 
@@ -531,6 +532,8 @@ def main() -> None:
                         "and the streams are spread over them)")
     parser.add_argument("--mixed-graph-tokens", type=int, default=None, help="vattn's: steps that prefill, up to "
                         "this many tokens, replay CUDA graphs (0: eagerly; default: the engine's)")
+    parser.add_argument("--fused-prefix-pages", type=int, default=0, help="vattn's: cached prefixes of at least "
+                        "this many pages fused into one allocation on their first reuse (0: off, the default)")
     parser.add_argument("--vllm-client", action="store_true", help="also drive each server with `vllm bench serve`")
     parser.add_argument("--client-temperature", type=float, default=0.0, help="our client's temperature (-1: each "
                         "server's default, as `vllm bench serve` leaves it; default greedy): whether a gap seen only "

@@ -80,6 +80,10 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eager-slots", type=int, default=64,
                         help="free slots kept holding pages for the next new requests, so that their prompts map "
                              "nothing in their step (virtual layouts; 0: off)")
+    parser.add_argument("--fused-prefix-pages", type=int, default=0,
+                        help="a cached prefix of at least this many pages, on its first reuse in another slot, is "
+                             "copied into one allocation that later requests map in one driver call (virtual layouts; "
+                             "0: off, each maps it a page at a time; being measured: docs/prefix-caching.md)")
     parser.add_argument("--deterministic", action="store_true",
                         help="the same request gives the same tokens whatever else is in the batch (batch-invariant "
                              "kernels, slower: docs/deterministic.md)")
@@ -106,7 +110,7 @@ def engine_config(args: argparse.Namespace, device: str) -> dict:
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, placement_strategy=args.placement_strategy,
                 enable_prefix_caching=args.enable_prefix_caching, cuda_graphs=False if args.enforce_eager else None,
                 deterministic=args.deterministic, eager_slots=args.eager_slots,
-                mixed_graph_tokens=args.mixed_graph_tokens)
+                mixed_graph_tokens=args.mixed_graph_tokens, fused_prefix_pages=args.fused_prefix_pages)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -59,6 +59,11 @@ class EngineConfig:
     eager_slots: int = 64
     deferred_reclamation: bool = True  # freed slots keep their pages mapped for the next request (virtual layouts)
     enable_prefix_caching: bool = True  # full blocks of finished and running requests' tokens are reused (vLLM's name)
+    # Virtual layouts, with prefix caching: a cached prefix of at least this many pages, on its first reuse in a slot
+    # that does not hold it, is copied into one allocation that every later request maps in one driver call a buffer
+    # (a mapping costs about the same whatever the allocation's size: bench/vmm_run_costs.py); 0: off, each request
+    # maps it a page at a time. Being measured (bench/peer.py's vattn-fused side).
+    fused_prefix_pages: int = 0
     # A read-only zero page over unmapped KV space (virtual layouts): a stray read sees zeros, not a fault that loses
     # the CUDA context. Off by default: every in-place kernel reads only mapped pages (the GPU tests run them over
     # unbacked space), and with it the decode-heavy workload ran 4% slower on the H100 (docs/performance.md).
@@ -328,7 +333,8 @@ def plan(config: EngineConfig, model: ModelConfig, device: str) -> EnginePlan:
                          f"{pp}, got {micro!r}")
     scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, config.swap_space,
                                 max_model_len, config.map_ahead, micro_batches=(micro or pp) if ahead else 1,
-                                token_ring=ring, eager_slots=config.eager_slots)
+                                token_ring=ring, eager_slots=config.eager_slots,
+                                fused_prefix_pages=config.fused_prefix_pages)
     overlap = ahead and pp == 1  # one stage: the next step continues the same sequences, on placeholders
     if config.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {config.placement_strategy!r}")

@@ -65,6 +65,9 @@ class SchedulerConfig:
     # Free slots the mapper keeps holding pages of their own for the next new requests (``PageLedger.eager_ahead``
     # says how many pages a step), so that their prompts are written where pages are mapped already; 0: off.
     eager_slots: int = 0
+    # > 0 (virtual layouts, prefix caching): a cached prefix of at least this many pages, on its first reuse in a slot
+    # that does not hold it, is made one allocation (``PageLedger.fuse_prefix``) that later requests map whole; 0: off.
+    fused_prefix_pages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "micro_batches"):
@@ -73,7 +76,7 @@ class SchedulerConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("token_ring", "eager_slots"):
+        for name in ("token_ring", "eager_slots", "fused_prefix_pages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
@@ -228,7 +231,14 @@ class Scheduler:
             except KVCacheError:
                 break
             if hit:
-                self.kv.map_prefix(slot, hit)
+                # The prefix's first reuse in another slot: fused into one allocation, so that every later one maps it
+                # in one driver call a buffer (pages computed by this step are not there to copy yet).
+                src = (self.kv.fusable(hit, slot, self.config.fused_prefix_pages)
+                       if self.config.fused_prefix_pages and self._fresh.isdisjoint(hit) else None)
+                if src is None:
+                    self.kv.map_prefix(slot, hit)
+                else:
+                    self.kv.fuse_prefix(src, slot, hit)
                 seq.num_cached_pages = len(hit)
                 seq.num_computed = self.kv.spec.tokens_within(len(hit))
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -273,7 +283,7 @@ class Scheduler:
         while keys and (spec.tokens_within(len(keys)) >= seq.num_tokens
                         or keys[-1] in self._fresh and spec.splits_token(len(keys))):
             keys.pop()
-        return keys
+        return self.kv.whole_runs(keys)
 
     def _cache(self, seq: Sequence) -> None:
         """Index the pages of ``seq`` whose tokens are known and computed (by the steps scheduled so far)."""

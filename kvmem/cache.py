@@ -30,6 +30,7 @@ class VirtualKVCache(SlotCache):
     """
 
     defers_unmaps = True
+    fuses_runs = True
 
     def __init__(
         self,
@@ -192,13 +193,13 @@ class VirtualKVCache(SlotCache):
     def _attach_run(self, slot: int, first: int, pages: list[Group]) -> None:
         # The hot path of ensure() (a prefill chunk, decode growth, a cached prefix): pages appended at ``first``, the
         # slot's end. Per buffer: one unmap of the zero pages there (H100: 61 us a page in all, against 69 a page at a
-        # time), one mapping of the run with one access call, and the guard moved past the run.
-        size, vmm, handle, n, last = self._page_bytes, self._vmm, self._pool.handle, len(pages), self.spec.pages_per_slot
+        # time), one mapping of the run with one access call (``_map_pages``), and the guard moved past the run.
+        size, vmm, n, last = self._page_bytes, self._vmm, len(pages), self.spec.pages_per_slot
         start = time.perf_counter()
         for buffer, base in enumerate(self._bases):
             if self.zero_unmapped:
                 vmm.unmap(base + self._offset(slot, first), size * (min(first + n, first + self._guard, last) - first))
-            vmm.map_run(base + self._offset(slot, first), size, [handle(page[buffer]) for page in pages])
+            self._map_pages(buffer, slot, first, pages)
             guard = max(first + n, first + self._guard)
             if self.zero_unmapped and guard < min(first + n + self._guard, last):
                 vmm.map_zero(base + self._offset(slot, guard), size, min(first + n + self._guard, last) - guard)
@@ -209,19 +210,54 @@ class VirtualKVCache(SlotCache):
     def _swap(self, slot: int, changes: list[tuple[int, Group, Group]]) -> None:
         # A cached prefix mapped over a reused slot's own pages: per run of consecutive pages, one unmap of the old
         # and one mapping of the new -- no zero page in between (that would double the driver calls).
-        size, vmm, handle = self._page_bytes, self._vmm, self._pool.handle
+        size, vmm = self._page_bytes, self._vmm
         new = {index: page for index, _, page in changes}
         runs = consecutive_runs(list(new))
         start = time.perf_counter()
         for buffer, base in enumerate(self._bases):
             for run in runs:
-                va = base + self._offset(slot, run[0])
-                vmm.unmap(va, size * len(run))
-                vmm.map_run(va, size, [handle(new[index][buffer]) for index in run])
+                vmm.unmap(base + self._offset(slot, run[0]), size * len(run))
+                self._map_pages(buffer, slot, run[0], [new[index] for index in run])
         each = (time.perf_counter() - start) * 1e6 / len(changes)
         self._counters.map_latency_us.extend([each] * len(changes))
         self._counters.maps += len(changes)
         self._counters.unmaps += len(changes)
+
+    def _map_pages(self, buffer: int, slot: int, first: int, pages: list[Group]) -> None:
+        """Map ``pages`` at pages ``first, first + 1, ...`` of ``slot`` in ``buffer`` (unbacked there): a run of pages
+        of their own with one access call, a fused run as its one allocation."""
+        size, vmm, base, i = self._page_bytes, self._vmm, self._bases[buffer], 0
+        while i < len(pages):
+            run = self._runs.get(pages[i])
+            if run is None:
+                end = next((j for j in range(i, len(pages)) if pages[j] in self._runs), len(pages))
+                vmm.map_run(base + self._offset(slot, first + i), size,
+                            [self._pool.handle(page[buffer]) for page in pages[i:end]])
+                i = end
+                continue
+            if tuple(pages[i : i + len(run)]) != run:
+                raise KVCacheError(f"slot {slot}: pages {first + i}.. hold part of a fused run, which maps whole")
+            vmm.map_run(base + self._offset(slot, first + i), size * len(run),
+                        [self._pool.run_handle(tuple(page[buffer] for page in run))])
+            i += len(run)
+
+    def _fuse(self, run: tuple[Group, ...]) -> None:
+        for buffer in range(len(self._bases)):
+            self._pool.fuse(tuple(page[buffer] for page in run))
+
+    def _unfuse(self, run: tuple[Group, ...]) -> None:
+        for buffer in range(len(self._bases)):
+            self._pool.unfuse(tuple(page[buffer] for page in run))
+
+    def _copy_prefix(self, src: int, dst: int, pages: int) -> None:
+        # Queued on the device behind the work that wrote ``src`` (no wait); ``src``'s mappings stay until it is done.
+        n, a, b = pages * self._page_bytes, self._offset(src, 0), self._offset(dst, 0)
+        for flat in self._flat:
+            flat[b : b + n].copy_(flat[a : a + n], non_blocking=True)
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._slots[src].fence = done
 
     def _detach(self, slot: int, index: int, page: Group) -> None:
         self._detach_run(slot, index, [page])

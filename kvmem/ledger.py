@@ -9,7 +9,7 @@ import torch
 
 from kvmem.errors import KVCacheExhausted
 from kvmem.mapper import MappingPlan
-from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, KeepPage, KVOp, MapKept, SharePrefix
+from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, FusePrefix, KeepPage, KVOp, MapKept, SharePrefix
 from kvmem.prefix import BlockHash, PrefixIndex
 from kvmem.slots import Fence, NumberedSlotCache, SlotState
 from kvmem.spec import KVCacheSpec
@@ -53,6 +53,7 @@ class PageLedger(NumberedSlotCache):
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         super().__init__(spec, num_pages)
         self.keeps_pages_on_free = keeps_pages_on_free
+        self.fuses_runs = keeps_pages_on_free  # the virtual layouts' caches fuse runs (``fuse_prefix``); paged's do not
         self.prefixes = PrefixIndex() if caches_prefixes else None
         self._ops: list[KVOp] = []
         self._eager = False  # free slots are prepared for new requests (``eager_ahead``)
@@ -61,6 +62,7 @@ class PageLedger(NumberedSlotCache):
         # walk of every free slot's pages, most steps of a serving loop).
         self._eager_idle: tuple[int, ...] | None = None
         self.prefix_pages_ahead = 0  # cached prefixes' pages mapped into free slots ahead of their requests
+        self.prefix_runs_fused = 0  # cached prefixes made one allocation on their first reuse (``fuse_prefix``)
 
     # -- recorded changes ----------------------------------------------------------------------
     def alloc_slot(self, expected_tokens: int = 0, slot: int | None = None) -> int:
@@ -149,6 +151,7 @@ class PageLedger(NumberedSlotCache):
                 return None
             self._eager_idle = None
             if drop:  # pages in no slot: the order stays
+                drop = self._with_whole_runs(drop)
                 self.drop_kept(drop)
                 self.prefixes.remove(drop)
             self._eager_fill(order, need, budget)  # maps ``budget`` pages: the pool has them
@@ -217,7 +220,7 @@ class PageLedger(NumberedSlotCache):
                 if slot is None:
                     if pages <= 0 or (slot := next((i for i in blank if i not in chosen), None)) is None:
                         continue
-                n = min(len(keys), run + max(pages, 0))
+                n = len(self.whole_runs(list(keys[: min(len(keys), run + max(pages, 0))])))
                 if n:
                     chosen[slot] = tuple(keys[:n])
                     pages -= n - run
@@ -227,6 +230,41 @@ class PageLedger(NumberedSlotCache):
             self._eager_idle = None  # slots changed hands: what eager preparation found may hold no longer
             self.prefix_pages_ahead += self.map_prefixes_ahead(prefixes)
             return prefixes
+
+    def fusable(self, keys: list[int], dst: int, least: int) -> int | None:
+        """A slot (not ``dst``) holding the pages held under ``keys`` as its first, unfused, where fusing them
+        (``fuse_prefix``) is worth a copy: ``least`` pages at least, ``dst`` not holding them already (its request
+        maps nothing then), and as many pages free in the pool or in free slots alone (fusing evicts no cached page).
+        None: map them as they are (``map_prefix``)."""
+        if not self.fuses_runs or len(keys) < max(2, least):
+            return None
+        with self._lock:
+            pages = [self._kept[key] for key in keys]
+            if pages[0] in self._runs or _run_length(self._slots[dst].pages, pages) == len(pages):
+                return None
+            run, src = self._longest_holder(pages, (i for i in range(len(self._slots)) if i != dst))
+            if run < len(pages):
+                return None
+            with self._sparing(src, len(pages)):  # as ``fuse_prefix`` makes room
+                return src if self._has_room(len(pages)) else None
+
+    def fuse_prefix(self, src: int, dst: int, keys: tuple[int, ...] | list[int]) -> None:
+        """``SlotCache.fuse_prefix``, recorded."""
+        super().fuse_prefix(src, dst, keys)
+        self.prefix_runs_fused += 1
+        self.prefixes.touch(keys)
+        self._ops.append(FusePrefix(src, dst, tuple(keys)))
+
+    def _with_whole_runs(self, keys: tuple[int, ...]) -> tuple[int, ...]:
+        """``keys`` and the other keys of every fused run one of them holds a page of: the cache holds a run's keys
+        all or none (a request maps it whole)."""
+        if not self._runs:
+            return keys
+        more = dict.fromkeys(keys)
+        for key in keys:
+            if (run := self._runs.get(self._kept[key])) is not None:
+                more.update(dict.fromkeys(self._run_keys[run]))
+        return tuple(more)
 
     def map_prefix(self, slot: int, keys: list[int]) -> None:
         """``slot`` (new) starts with the held pages ``keys``: ``SlotCache.map_kept``, recorded."""
@@ -267,6 +305,7 @@ class PageLedger(NumberedSlotCache):
         return max(1, self._total_pages() // 64)
 
     def _evict(self, keys: tuple[int, ...]) -> None:
+        keys = self._with_whole_runs(keys)
         self.drop_kept(keys)
         self.prefixes.remove(keys)
         self._ops.append(DropKept(keys))

@@ -73,13 +73,24 @@ class MapKept:
 
 
 @dataclass(frozen=True, slots=True)
+class FusePrefix:
+    """Prefix caching: ``MapKept(dst, keys)`` with the pages made one allocation first, from ``src``'s
+    (``SlotCache.fuse_prefix``)."""
+
+    src: int
+    dst: int
+    keys: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class DropKept:
     """Prefix caching: evict these pages (``SlotCache.drop_kept``)."""
 
     keys: tuple[int, ...]
 
 
-KVOp = AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap | KeepPage | MapKept | DropKept
+KVOp = (AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap | KeepPage | MapKept | FusePrefix
+        | DropKept)
 
 
 def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSpace | None = None,
@@ -100,6 +111,8 @@ def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSp
                 cache.keep(slot, page, key)
             case MapKept(slot, keys):
                 cache.map_kept(slot, keys)
+            case FusePrefix(src, dst, keys):
+                cache.fuse_prefix(src, dst, keys)
             case DropKept(keys):
                 cache.drop_kept(keys)
             case SwapOut(seq_id, slot, tokens):

@@ -13,6 +13,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Hashable, Protocol, Self
 
@@ -76,6 +78,8 @@ class SlotCache(ABC):
     #: ``AsyncMapper``'s thread, between steps), unless its addresses are mapped again first. The call that let go of
     #: it -- a step's launch, reclaiming free slots' pages for a new request -- unmaps nothing itself.
     unmaps_in_background: bool = False
+    #: ``fuse_prefix``: a run of pages made one allocation (the virtual cache, and a ledger that mirrors one).
+    fuses_runs: bool = False
 
     def __init__(self, spec: KVCacheSpec):
         self.spec = spec
@@ -97,6 +101,12 @@ class SlotCache(ABC):
         # Free slots holding a waiting request's cached prefix, mapped ahead of its admission (``map_prefixes_ahead``):
         # kept for it, not prepared for others or best fit for them.
         self._premapped: set[int] = set()
+        # Runs of pages fused into one allocation (``fuse_prefix``): each member's run. A slot holds a run whole, at
+        # consecutive pages in its order, or none of it (an allocation maps whole); the prefix cache holds all of a
+        # run's keys or none (``_run_keys``: the keys it was fused under).
+        self._runs: dict[Page, tuple[Page, ...]] = {}
+        self._run_keys: dict[tuple[Page, ...], tuple[int, ...]] = {}
+        self._runs_back: dict[tuple[Page, ...], int] = {}  # members of a run no one references, so far
 
     # -- what a subclass provides -------------------------------------------------------------
     @abstractmethod
@@ -147,6 +157,15 @@ class SlotCache(ABC):
     @abstractmethod
     def _copy(self, slot: int, index: int, src: Page, dst: Page) -> None:
         """Copy the contents of ``src`` into ``dst`` (before ``dst`` replaces it in ``slot``)."""
+
+    def _fuse(self, run: tuple[Page, ...]) -> None:
+        """Make ``run`` (fresh pages, mapped nowhere) one allocation (``fuses_runs``)."""
+
+    def _unfuse(self, run: tuple[Page, ...]) -> None:
+        """Undo ``_fuse(run)``: no slot holds it any more."""
+
+    def _copy_prefix(self, src: int, dst: int, pages: int) -> None:
+        """Copy the bytes of ``src``'s first ``pages`` pages into ``dst``'s (both backed there)."""
 
     @abstractmethod
     def _pool_stats(self) -> tuple[int, int]:
@@ -210,13 +229,14 @@ class SlotCache(ABC):
         return max(free, key=lambda i: (own[i], own[i] - len(self._slots[i].pages), -self._released[i]))
 
     def _own_pages(self, state: SlotState, most: int | None = None) -> int:
-        """How many of the slot's first pages (of its first ``most``) it alone holds."""
+        """How many of the slot's first pages (of its first ``most``) it alone holds, and may write over (a fused
+        run's are never written over: ``_first_shared_past_tokens``)."""
         pages = state.pages if most is None else state.pages[:most]
-        if not self._num_shared:
+        if not self._num_shared and not self._runs:
             return len(pages)
-        refs, n = self._refs, 0
+        refs, runs, n = self._refs, self._runs, 0
         for page in pages:
-            if refs[page] != 1:
+            if refs[page] != 1 or page in runs:
                 break
             n += 1
         return n
@@ -322,9 +342,11 @@ class SlotCache(ABC):
     def _back(self, slot: int, state: SlotState, need: int, num_tokens: int, shared: list[int]) -> bool:
         """``_ensure``'s backing of ``slot`` to ``num_tokens`` (``need`` pages; ``shared``: pages in its write range
         that others hold too), its expectation raised already."""
-        if need <= len(state.pages) and not shared:
-            # Backed already, and no page the writes reach is shared, so none past its tokens either: nothing to
-            # map, copy or drop (a decode step's usual case, twice a sequence a step in the scheduler's ledger).
+        if need <= len(state.pages) and not shared and not (
+                self._runs and any(p in self._runs for p in state.pages[state.tokens * self._token_bytes
+                                                                        // self._page_bytes : need])):
+            # Backed already, and no page the writes reach is shared (nor fused), so none past its tokens either:
+            # nothing to map, copy or drop (a decode step's usual case, twice a sequence a step in the ledger).
             state.tokens = num_tokens
             return True
         # A reused slot's shared pages past the request's tokens hold none of its bytes: let go of them from the
@@ -332,7 +354,8 @@ class SlotCache(ABC):
         # replace them one by one inside it. Where the pool has no room for that, copy-on-write as before.
         keep = self._first_shared_past_tokens(state, need)
         cow = self._shared_in_write_range(state, min(need, keep), num_tokens)
-        if keep < len(state.pages) and not self._has_room(max(0, need - keep) + len(cow)):
+        if (keep < len(state.pages) and not self._has_room(max(0, need - keep) + len(cow))
+                and not any(page in self._runs for page in state.pages[keep:need])):  # a run goes whole, never copied
             keep = len(state.pages)
             cow = self._shared_in_write_range(state, need, num_tokens)
         demand = max(0, need - keep) + len(cow)
@@ -349,11 +372,13 @@ class SlotCache(ABC):
 
     def _first_shared_past_tokens(self, state: SlotState, need: int) -> int:
         """Index of the slot's first shared page, among those the writes up to ``need`` pages reach, that holds none
-        of its tokens; the slot's page count where there is none."""
-        if self._num_shared:
+        of its tokens; the slot's page count where there is none. A fused run's page counts as shared even where the
+        slot alone holds it: a run holds the prefix it was fused from, whole, and is let go of, never written over
+        (the prefix cache may hold its keys again; a write would make it another prefix's, in part)."""
+        if self._num_shared or self._runs:
             held = -(-state.tokens * self._token_bytes // self._page_bytes)  # pages holding some of its bytes
             for i in range(held, min(need, len(state.pages))):
-                if self._refs[state.pages[i]] > 1:
+                if self._refs[state.pages[i]] > 1 or state.pages[i] in self._runs:
                     return i
         return len(state.pages)
 
@@ -377,6 +402,8 @@ class SlotCache(ABC):
             if not 0 < tokens <= source.tokens:
                 raise ValueError(f"share_prefix: tokens={tokens} outside (0, {source.tokens}] held by slot {src}")
             n = self.spec.pages_for(tokens)
+            if self._run_start(source, n) != n:
+                raise KVCacheError(f"share_prefix: {tokens} tokens of slot {src} end inside a fused run, which maps whole")
             self._replace_run(dst, source.pages[:n])
             self._link_run(dst, source.pages[len(target.pages) : n])
             target.tokens = tokens
@@ -410,11 +437,85 @@ class SlotCache(ABC):
             missing = [k for k in keys if k not in self._kept]
             if missing:
                 raise KVCacheError(f"map_kept: no page is kept under keys {missing}")
+            if self._runs and len(self.whole_runs(list(keys))) != len(keys):
+                raise KVCacheError(f"map_kept: keys {list(keys)[:4]}... end inside a fused run, which maps whole")
             pages = [self._kept[key] for key in keys]
             self._replace_run(slot, pages)
             self._link_run(slot, pages[len(state.pages) :])
             state.tokens = self.spec.tokens_within(len(keys))
             state.expected = max(state.expected, state.tokens)
+
+    def fuse_prefix(self, src: int, dst: int, keys: tuple[int, ...] | list[int]) -> None:
+        """``map_kept(dst, keys)``, the pages held under ``keys`` -- which ``src`` holds as its first pages -- made one
+        allocation first: fresh pages, fused (``fuses_runs``), mapped whole into ``dst`` and given a copy of ``src``'s
+        bytes there; the prefix cache then holds them under ``keys`` in place of the pages copied (which stay with the
+        slots holding them). A later ``map_kept`` of these keys maps one allocation, not a page at a time: the
+        driver's price of a mapping goes with the allocations, not the bytes (bench/vmm_run_costs.py). The copy is
+        queued behind the work that wrote ``src``'s pages, and ``src``'s mappings stay until it is done."""
+        with self._lock:
+            if not self.fuses_runs:
+                raise ValueError(f"fuse_prefix: {type(self).__name__} does not fuse pages")
+            if not 0 <= src < len(self._slots):
+                raise ValueError(f"fuse_prefix: slot {src!r} is not a slot of 0..{len(self._slots) - 1}")
+            source, target = self._slots[src], self._in_use(dst)
+            if target.tokens:
+                raise ValueError(f"fuse_prefix: slot {dst} holds {target.tokens} tokens already")
+            if src == dst:
+                raise ValueError(f"fuse_prefix: src and dst are the same slot {src}")
+            if missing := [k for k in keys if k not in self._kept]:
+                raise KVCacheError(f"fuse_prefix: no page is kept under keys {missing}")
+            held = [self._kept[key] for key in keys]
+            if len(held) < 2 or source.pages[: len(held)] != held or any(p in self._runs for p in held):
+                raise KVCacheError(f"fuse_prefix: slot {src} does not hold the {len(held)} unfused pages of keys "
+                                   f"{list(keys)[:4]}... as its first pages")
+            with self._sparing(src, len(held)):  # room from the pool or free slots' pages, never those the copy reads
+                self._make_room(len(held), dst, self.spec.tokens_within(len(held)))
+            run = tuple(self._take(len(held)))
+            self._fuse(run)
+            for page in run:
+                self._runs[page] = run
+            self._run_keys[run] = tuple(keys)
+            self._drop_tail(dst, 0)
+            self._link_run(dst, list(run))
+            self._copy_prefix(src, dst, len(run))
+            for key, page in zip(keys, run):
+                self._incref(page)
+                old, self._kept[key] = self._kept[key], page
+                self._decref(old)
+            target.tokens = self.spec.tokens_within(len(keys))
+            target.expected = max(target.expected, target.tokens)
+
+    @contextmanager
+    def _sparing(self, slot: int, pages: int) -> Iterator[None]:
+        """Meanwhile, a free ``slot`` counts as a slot in use expecting its first ``pages`` pages: no reclaim takes them
+        (a fused run's copy reads them)."""
+        state = self._slots[slot]
+        if state.in_use:
+            yield
+            return
+        expected = state.expected
+        state.in_use, state.expected = True, self.spec.tokens_within(pages)
+        try:
+            yield
+        finally:
+            state.in_use, state.expected = False, expected
+
+    def whole_runs(self, keys: list[int]) -> list[int]:
+        """``keys`` (a run of held pages from a sequence's first) up to the first fused run it holds only part of: such a
+        run maps whole, or not at all."""
+        with self._lock:
+            if not self._runs:
+                return keys
+            i = 0
+            while i < len(keys):
+                run = self._runs.get(self._kept.get(keys[i]))
+                if run is None:
+                    i += 1
+                    continue
+                if run.index(self._kept[keys[i]]) or [self._kept.get(k) for k in keys[i : i + len(run)]] != list(run):
+                    return keys[:i]
+                i += len(run)
+            return keys
 
     def map_prefixes_ahead(self, prefixes: tuple[tuple[int, tuple[int, ...]], ...]) -> int:
         """For each ``(slot, keys)``: make the first pages of free slot ``slot`` the pages held under ``keys`` (a
@@ -429,6 +530,8 @@ class SlotCache(ABC):
                     raise ValueError(f"map_prefixes_ahead: slot {slot!r} is not a free slot of 0..{len(self._slots) - 1}")
                 if missing := [k for k in keys if k not in self._kept]:
                     raise KVCacheError(f"map_prefixes_ahead: no page is kept under keys {missing}")
+                if self._runs and len(self.whole_runs(list(keys))) != len(keys):
+                    raise KVCacheError(f"map_prefixes_ahead: keys {list(keys)[:4]}... end inside a fused run")
             mapped = 0
             for slot, keys in prefixes:
                 state, pages = self._slots[slot], [self._kept[key] for key in keys]
@@ -545,6 +648,11 @@ class SlotCache(ABC):
                    if state.pages[i] != page]
         if not changes:
             return
+        if self._runs and any(old in self._runs or new in self._runs for _, old, new in changes):
+            # A fused run maps whole: the slot lets go of its pages from the first change (from the start of the run
+            # it falls in), and the caller links the rest of ``pages`` there.
+            self._drop_tail(slot, changes[0][0])
+            return
         self._await_fence(slot)
         for index, _, page in changes:
             state.pages[index] = page
@@ -568,11 +676,42 @@ class SlotCache(ABC):
             self._refs[page] = count
         else:
             del self._refs[page]
+            self._release(page)
+
+    def _release(self, page: Page) -> None:
+        """Give a page no one references back to the pool; a fused run's once all of its pages are (none of them
+        maps alone), as pages of their own again."""
+        run = self._runs.get(page)
+        if run is None:
             self._give(page)
+            return
+        back = self._runs_back.get(run, 0) + 1
+        if back < len(run):
+            self._runs_back[run] = back
+            return
+        self._runs_back.pop(run, None)
+        self._run_keys.pop(run, None)
+        for member in run:
+            del self._runs[member]
+        self._unfuse(run)
+        for member in run:
+            self._give(member)
+
+    def _run_start(self, state: SlotState, index: int) -> int:
+        """``index``, or where the fused run holding the slot's page there starts when it starts before it."""
+        if index >= len(state.pages) or (run := self._runs.get(state.pages[index])) is None:
+            return index
+        return index - run.index(state.pages[index])
 
     def _drop_tail(self, slot: int, keep: int) -> None:
-        """Let go of ``slot``'s pages from ``keep`` on, all at once (``_detach_run``)."""
+        """Let go of ``slot``'s pages from ``keep`` on, all at once (``_detach_run``); from the start of a fused run
+        that ``keep`` falls inside."""
         state = self._slots[slot]
+        if self._runs and (start := self._run_start(state, keep)) != keep:
+            if state.in_use and state.tokens * self._token_bytes > start * self._page_bytes:
+                raise KVCacheError(f"slot {slot}: letting go of its pages from {keep} on would take a fused run that "
+                                   "holds its tokens")
+            keep = start
         dropped = state.pages[keep:]
         if not dropped:
             return
@@ -598,6 +737,9 @@ class SlotCache(ABC):
         """Give ``slot`` fresh pages of its own at ``indices`` (ascending), copying the valid bytes of each; a run
         of consecutive ones replaced at once (a request over a freed slot whose pages the prefix cache holds
         replaces them all, and holds no bytes to copy)."""
+        if fused := [i for i in indices if state.pages[i] in self._runs]:
+            raise KVCacheError(f"slot {slot}: a write would copy pages {fused} of a fused run, which holds whole "
+                               "pages of a cached prefix only")
         for run in consecutive_runs(indices):
             new = self._take(len(run))
             for index, page in zip(run, new):

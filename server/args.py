@@ -43,6 +43,7 @@ class ServeArgs(BaseModel):
     deterministic: bool = False  # batch-invariant kernels: a request's tokens do not depend on the batch
     eager_slots: int = Field(64, ge=0)  # free slots kept holding pages for new requests' prompts (0: off)
     mixed_graph_tokens: int | None = Field(None, ge=0)  # steps that prefill, up to this many, in CUDA graphs (0: eager; EngineConfig)
+    fused_prefix_pages: int = Field(0, ge=0)  # cached prefixes this long fused on their first reuse (0: off; EngineConfig)
     num_replicas: int = Field(1, ge=1)
     ingress_replicas: int = Field(1, ge=1)  # HTTP front replicas: each takes a CPU, and SSE chunks cost CPU
     api_key: str | list[str] | None = None
@@ -87,7 +88,7 @@ class ServeArgs(BaseModel):
             distributed="ray", placement_strategy=self.placement_strategy, enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=False if self.enforce_eager else None, seed=self.seed, tokenizer=self.tokenizer,
             chat_template=self.chat_template, deterministic=self.deterministic, eager_slots=self.eager_slots,
-            mixed_graph_tokens=self.mixed_graph_tokens,
+            mixed_graph_tokens=self.mixed_graph_tokens, fused_prefix_pages=self.fused_prefix_pages,
         )
 
     def settings(self) -> ServerSettings:

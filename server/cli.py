@@ -79,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, load_format=args.load_format,
             placement_strategy=args.placement_strategy, enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager, deterministic=args.deterministic, eager_slots=args.eager_slots,
-            mixed_graph_tokens=args.mixed_graph_tokens,
+            mixed_graph_tokens=args.mixed_graph_tokens, fused_prefix_pages=args.fused_prefix_pages,
             num_replicas=args.num_replicas,
             ingress_replicas=args.ingress_replicas,
             api_key=args.api_key, max_body=args.max_body, max_n=args.max_n, max_tokens_limit=args.max_tokens_limit,

@@ -121,6 +121,17 @@ def check_invariants(cache) -> None:
     refs.update(cache._kept.values())
     assert refs == Counter(cache._refs), "reference counts disagree with the slots' pages"
     assert cache._num_shared == sum(1 for n in refs.values() if n > 1)
+    # A fused run maps whole: every slot holds all of it, in order, or none; the prefix cache all of its keys or none.
+    for state in cache._slots:
+        i = 0
+        while i < len(state.pages):
+            run = cache._runs.get(state.pages[i])
+            assert run is None or tuple(state.pages[i : i + len(run)]) == run, "a slot holds part of a fused run"
+            i += len(run) if run else 1
+    held = set(cache._kept.values())
+    for run in set(cache._runs.values()):
+        assert len({page in held for page in run}) == 1, "the prefix cache holds part of a fused run"
+    assert not cache._runs_back, "a fused run is half given back"
     for state in cache._slots:
         if state.in_use:
             assert len(state.pages) >= cache.spec.pages_for(state.tokens), "a used token is not backed"

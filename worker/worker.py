@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvmem import AsyncMapper, KVCacheSpec, MappingPlan, PagedKVCache, VirtualKVCache, default_vmm
-from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, KeepPage, MapKept, apply_ops
+from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, FusePrefix, KeepPage, MapKept, apply_ops
 from kvmem.swap import SwapSpace
 from worker.attention import get_backend
 from worker.loader import build_model
@@ -30,8 +30,9 @@ from worker.runner import LaunchedStep, ModelRunner, ScheduledChunk, StepOutput,
 logger = logging.getLogger(__name__)
 # KV operations a step may apply while the step before it is still queued: they map only into slots no queued work
 # reads (a new slot; a freed one's pages wait for its own fence), copy on the stream after it, or only count
-# references (the prefix cache's holds: a page only the cache holds is mapped nowhere).
-UNFENCED = (Ensure, AllocSlot, FreeSlot, KeepPage, MapKept, DropKept)
+# references (the prefix cache's holds: a page only the cache holds is mapped nowhere). A fused prefix's copy reads
+# its source slot on the stream after that step, and the source keeps its mappings until the copy is done.
+UNFENCED = (Ensure, AllocSlot, FreeSlot, KeepPage, MapKept, FusePrefix, DropKept)
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_serv
     args = argparse.Namespace(prefixes=32, prefix_len=2048, input=256, output=128, max_num_seqs=256,
                               max_num_batched_tokens=8192, vllm_site="/v", kv_memory_gib=40, device="cuda",
                               dtype="bfloat16", profile=[], profile_rates=[], work=Path("/w"),
-                              ingress_replicas=2, mixed_graph_tokens=2048)
+                              ingress_replicas=2, mixed_graph_tokens=2048, fused_prefix_pages=16)
     assert peer_serving.dataset_args(args) == [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "2048", "--prefix-repetition-suffix-len",
         "256", "--prefix-repetition-num-prefixes", "32", "--prefix-repetition-output-len", "128"]
@@ -122,6 +122,9 @@ def test_a_shared_prefix_run_asks_both_clients_for_the_same_prompts_and_the_serv
     assert vattn[vattn.index("--mixed-graph-tokens") + 1] == "2048"
     default, _ = peer_serving.server_command("vattn", Path("/m"), argparse.Namespace(**vars(args) | {"mixed_graph_tokens": None}))
     assert "--mixed-graph-tokens" not in default  # the engine's own default
+    assert vattn[vattn.index("--fused-prefix-pages") + 1] == "16"
+    unfused, _ = peer_serving.server_command("vattn", Path("/m"), argparse.Namespace(**vars(args) | {"fused_prefix_pages": 0}))
+    assert "--fused-prefix-pages" not in unfused
     profiled, _ = peer_serving.server_command("vllm", Path("/m"), argparse.Namespace(**vars(args) | {"profile": [64]}))
     config = json.loads(profiled[profiled.index("--profiler-config") + 1])  # vLLM's torch profiler, idle until asked
     assert config["profiler"] == "torch" and config["torch_profiler_dir"] == "/w/vllm_traces"

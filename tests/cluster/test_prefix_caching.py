@@ -81,20 +81,23 @@ def test_greedy_tokens_are_the_same_with_prefix_caching_on_and_off(layout, case)
         # 8x oversubscribed counting every prompt's own blocks; the shared prefixes make it about 4x with caching.
         kw.update(kv_memory=demand // 8, preemption_mode=case.split("-")[1])
     runs = {}
-    for caching in (False, True):
-        with LLM("tiny", enable_prefix_caching=caching, **kw) as llm:
+    # Off, on, and on with cached prefixes fused into one allocation on their first reuse (virtual layouts).
+    for caching, fused in [(False, 0), (True, 0)] + ([(True, 2)] if layout != "paged" else []):
+        with LLM("tiny", enable_prefix_caching=caching, fused_prefix_pages=fused, **kw) as llm:
             # Twice: the second pass finds the first one's blocks, the first finds its own earlier requests'.
-            runs[caching] = [_tokens(llm.generate(prompts, params)) for _ in range(2)]
+            runs[caching, fused] = [_tokens(llm.generate(prompts, params)) for _ in range(2)]
             s = llm.scheduler
             assert (s.prefix_hits > 0) == caching
+            if case == "default":  # (the tighter cases map most prefixes into free slots ahead: nothing to fuse)
+                assert (llm.core.ledger.prefix_runs_fused > 0) == bool(fused)
             # requests waiting behind the running ones had their prefixes mapped ahead, where slots keep pages
             assert (llm.core.ledger.prefix_pages_ahead > 0) == (caching and layout != "paged")
             if case.startswith("oversubscribed"):
                 assert s.num_preemptions > 0
             assert llm.core.ledger.accounting() == llm.cache.accounting()
             check_invariants(llm.cache)
-    assert runs[True] == runs[False]
-    assert runs[False][0] == runs[False][1]
+    assert runs[True, 0] == runs[False, 0] == runs.get((True, 2), runs[False, 0])
+    assert runs[False, 0][0] == runs[False, 0][1]
 
 
 def test_async_scheduling_caches_blocks_once_their_tokens_are_known():

@@ -227,20 +227,22 @@ def _worker_cache(layout: str, pages: int):
     return SPEC, VirtualKVCache(SPEC, pages * 2 * 4096)
 
 
-@pytest.mark.parametrize("caching", [False, True])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("layout", ["mega", "paged"])
-def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mode, caching):
+@pytest.mark.parametrize(("layout", "mode", "caching", "fused"),
+                         [(layout, mode, caching, 0) for layout in ("mega", "paged") for mode in ("recompute", "swap")
+                          for caching in (False, True)] + [("mega", mode, True, 2) for mode in ("recompute", "swap")])
+def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mode, caching, fused):
     """Random arrivals (prompts over a few shared prefixes), n > 1 forks over shared pages, aborts and preemption
-    under a tight pool, with and without prefix caching: after every step the replaying cache holds the same
-    slots, tokens, page counts, free pages and held blocks as the ledger; at the end every page it holds is
-    reachable (a free slot's or a held block's), and dropping the cached prefixes gives the whole pool back."""
+    under a tight pool, with and without prefix caching (and with cached prefixes fused on their first reuse): after
+    every step the replaying cache holds the same slots, tokens, page counts, free pages and held blocks as the
+    ledger; at the end every page it holds is reachable (a free slot's or a held block's), and dropping the cached
+    prefixes gives the whole pool back."""
     rng = random.Random(0)
     spec, cache = _worker_cache(layout, 12)
     ledger = PageLedger(spec, 12, keeps_pages_on_free=layout != "paged", caches_prefixes=caching)
     swap = SwapSpace(cache)
-    scheduler = Scheduler(SchedulerConfig(4, 48, mode, 1 << 20), ledger)
-    prefixes = [[rng.randint(0, 99) for _ in range(rng.randint(0, 40))] for _ in range(4)]
+    scheduler = Scheduler(SchedulerConfig(4, 48, mode, 1 << 20, fused_prefix_pages=fused), ledger)
+    shortest, longest = (32, 48) if fused else (0, 40)  # fusing: prefixes of two pages or more
+    prefixes = [[rng.randint(0, 99) for _ in range(rng.randint(shortest, longest))] for _ in range(4)]
     added = 0
     with cache, AsyncMapper(cache) as mapper:
         while added < 500 or scheduler.has_work:
@@ -261,6 +263,7 @@ def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mo
             apply_ops(cache, ledger.take_ops(), swap)
             assert ledger.accounting() == cache.accounting()
         assert scheduler.num_preemptions > 0 and (scheduler.prefix_hits > 0) == caching
+        assert (ledger.prefix_runs_fused > 0) == bool(fused)
         assert cache.stats().slots_in_use == 0 and swap.used_bytes == 0 and scheduler.swap_used_bytes == 0
         check_invariants(cache)  # every page it holds is a free slot's or a held block's, and counted so
         assert cache.kept_pages() == (len(ledger.prefixes) if caching else 0)  # each held page can be found
@@ -268,4 +271,4 @@ def test_a_cache_replaying_the_ledger_agrees_with_it_after_every_step(layout, mo
         apply_ops(cache, ledger.take_ops(), swap)
         assert ledger.accounting() == cache.accounting()
         cache.reclaim(10**6)
-        assert cache.stats().mapped_bytes == 0
+        assert cache.stats().mapped_bytes == 0 and not cache._runs

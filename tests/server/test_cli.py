@@ -79,6 +79,7 @@ def test_generate_on_ray_with_tp_and_pp_prints_the_in_process_tokens(capsys):
     (["--num-replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
     (["--model", "/nowhere"], "model '/nowhere' is neither a preset"),
     (["--kv-memory-fraction", "0"], "kv_memory_fraction: Input should be greater than 0"),
+    (["--fused-prefix-pages", "-1"], "fused_prefix_pages: Input should be greater than or equal to 0"),
 ])
 def test_serve_refuses_bad_options_before_ray_starts(capsys, argv, message):
     import ray
