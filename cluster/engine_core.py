@@ -575,7 +575,8 @@ class EngineCore:
                               self.ledger.pages_in_use() / self.plan.num_pages if self.plan.num_pages else 0.0,
                               t.prompt_tokens, t.generation_tokens, dict(t.finished),
                               {name: h.copy() for name, h in t.histograms.items()}, s.prefix_queries, s.prefix_hits,
-                              self.num_overlapped_steps, self.plan.ledger_spec.tokens_within(self.plan.slot_pages))
+                              self.num_overlapped_steps, self.plan.ledger_spec.tokens_within(self.plan.slot_pages),
+                              self.ledger.prefix_runs_fused)
 
     def close(self) -> None:
         self.executor.close()

@@ -365,6 +365,9 @@ class Scheduler:
             if seq.pending:
                 break
             if hit := self._cached_prefix(seq):
+                if self.config.fused_prefix_pages and len(hit) >= self.config.fused_prefix_pages \
+                        and not self.kv.fused(hit[0]):
+                    continue  # fused at its admission (one copy on the stream), then mapped ahead in one call a buffer
                 hits.append(hit)
         pages = max(EAGER_PAGES, sum(s.num_tokens for s in out.scheduled) // self._prefix_ahead_tokens) if hits else 0
         return self.kv.prefix_ahead(hits, pages)

@@ -116,6 +116,7 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_overlapped_steps: int = 0  # steps submitted while an earlier one was still in flight
     kv_capacity_tokens: int = 0  # tokens the KV pool holds, every page in use (one slot's worth of pages each)
+    prefix_runs_fused: int = 0  # cached prefixes made one allocation on their first reuse (``fused_prefix_pages``)
 
 
 class Telemetry:

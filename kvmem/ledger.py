@@ -248,6 +248,11 @@ class PageLedger(NumberedSlotCache):
             with self._sparing(src, len(pages)):  # as ``fuse_prefix`` makes room
                 return src if self._has_room(len(pages)) else None
 
+    def fused(self, key: int) -> bool:
+        """Whether the page held under ``key`` is part of a fused run."""
+        with self._lock:
+            return self._kept[key] in self._runs
+
     def fuse_prefix(self, src: int, dst: int, keys: tuple[int, ...] | list[int]) -> None:
         """``SlotCache.fuse_prefix``, recorded."""
         super().fuse_prefix(src, dst, keys)

@@ -163,21 +163,24 @@ def test_chunked_and_oversubscribed_tp_pp_match_transformers(hf_llama, tp, pp, l
         assert_in_step(llm)
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
-def test_prefix_caching_across_tp_and_pp_gives_the_tokens_of_an_engine_without_it(tp, pp):
-    """Every worker holds, maps and evicts the blocks the ledger decides, under memory pressure: the tokens are those
-    computed without caching, and every worker's accounting (held blocks included) equals the ledger's."""
+@pytest.mark.parametrize(("tp", "pp", "fused"), [(2, 1, 0), (1, 2, 0), (2, 1, 2)])
+def test_prefix_caching_across_tp_and_pp_gives_the_tokens_of_an_engine_without_it(tp, pp, fused):
+    """Every worker holds, maps and evicts the blocks the ledger decides, under memory pressure (and fuses the
+    prefixes it decides to): the tokens are those computed without caching, and every worker's accounting (held blocks
+    included) equals the ledger's."""
     rng = random.Random(2)
     systems = [[rng.randrange(3, 250) for _ in range(rng.randint(20, 60))] for _ in range(3)]
     prompts = [rng.choice(systems) + [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))] for _ in range(16)]
-    kw = dict(SMALL, kv_memory=160 << 10, max_num_batched_tokens=48)
+    # Fusing: room for the prefix's requests to run side by side (in a tighter pool each reuses a slot holding it)
+    kw = dict(SMALL, kv_memory=(320 if fused else 160) << 10, max_num_batched_tokens=48)
     with LLM("tiny", enable_prefix_caching=False, **kw) as local:
         want = [list(o.outputs[0].token_ids) for o in local.generate(prompts, GREEDY)]
-    with LLM("tiny", distributed="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw) as llm:
+    with LLM("tiny", distributed="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp, fused_prefix_pages=fused,
+             **kw) as llm:
         for _ in range(2):  # the second pass finds the first one's blocks (those not evicted)
             assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)] == want
         snap = llm.snapshot()
-        assert snap.prefix_cache_hits > 0 and snap.num_preemptions > 0
+        assert snap.prefix_cache_hits > 0 and snap.num_preemptions > 0 and (snap.prefix_runs_fused > 0) == bool(fused)
         assert all(w.prefix_cache_bytes > 0 for w in snap.workers)
         assert_in_step(llm)
         assert llm.reset_prefix_cache() > 0
