@@ -242,7 +242,9 @@ class PageLedger(NumberedSlotCache):
             pages = [self._kept[key] for key in keys]
             if pages[0] in self._runs or _run_length(self._slots[dst].pages, pages) == len(pages):
                 return None
-            run, src = self._longest_holder(pages, (i for i in range(len(self._slots)) if i != dst))
+            first = pages[0]  # (a look at each slot's first page, and a walk only of those that hold it)
+            run, src = self._longest_holder(pages, (i for i, st in enumerate(self._slots)
+                                                    if i != dst and st.pages and st.pages[0] == first))
             if run < len(pages):
                 return None
             with self._sparing(src, len(pages)):  # as ``fuse_prefix`` makes room
