@@ -50,10 +50,11 @@ class CollectorPauses:
 
 
 def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool = True,
-                eager_slots: int | None = None, prefixes: int = 0, prefix_len: int = 0, own: int = 512) -> dict:
+                eager_slots: int | None = None, prefixes: int = 0, prefix_len: int = 0, own: int = 512,
+                fused: int = 0) -> dict:
     """``steps`` scheduler steps of ``clients`` clients (``own``-token random prompts, 128 tokens out, greedy; with
     ``prefixes``, each prompt starts with one of that many shared ``prefix_len``-token prefixes drawn at random, as
-    ``bench/serving.py --prefixes`` sends them). A finished request is let go of as ``EngineCore`` does
+    ``bench/serving.py --prefixes`` sends them; ``fused``: the engine's ``fused_prefix_pages``). A finished request is let go of as ``EngineCore`` does
     (``Request.release``); ``release=False`` leaves it to the cyclic collector, as before 2026-11-28. ``eager_slots``:
     the engine's option (None: its default, or a tree's without it)."""
     from cluster.config import EngineConfig, model_config, plan
@@ -64,7 +65,8 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool 
     config = EngineConfig("llama-3-8b", max_num_seqs=256, max_num_batched_tokens=8192,
                           max_model_len=prefix_len + own + 128 + 64,
                           kv_memory=kv_gib << 30, dtype="bfloat16", enable_prefix_caching=True,
-                          **({} if eager_slots is None else {"eager_slots": eager_slots}))
+                          **({} if eager_slots is None else {"eager_slots": eager_slots}),
+                          **({"fused_prefix_pages": fused} if fused else {}))
     engine_plan = plan(config, model_config("llama-3-8b"), "cuda")
     ledger = engine_plan.new_ledger()
     scheduler = Scheduler(engine_plan.scheduler, ledger)
@@ -85,13 +87,13 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool 
     gc.freeze()  # what was built so far, as ``worker.heap.freeze_heap`` does once an engine is up
     for _ in range(clients):
         add()
-    times, ahead, moves, finished = [], [], [], []
+    times, ahead, moves, finished, calls = [], [], [], [], []
     collector = CollectorPauses()
     for i in range(steps):
         if i == steps // 2:
             collector.start()
         start = time.perf_counter()
-        before = ledger.counters()[:2]
+        before, called = ledger.counters()[:2], ledger.mapping_calls()
         out = scheduler.schedule()
         in_step = ledger.counters()[:2]
         planned = scheduler.lookahead(out)  # before the operations are taken, as the engine does
@@ -109,6 +111,7 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool 
         # Page maps and unmaps the workers replay: in the step's launch (its recorded operations), and ahead of it
         moves.append((in_step[0] - before[0], in_step[1] - before[1], mapped[0] - in_step[0], mapped[1] - in_step[1]))
         finished.append(ended)
+        calls.append(ledger.mapping_calls() - called)
         for _ in range(ended):
             add()
     collector.stop()
@@ -122,7 +125,9 @@ def closed_loop(clients: int, steps: int, kv_gib: int, seed: int, release: bool 
             "collections": len(collector.pauses), "collection_ms": 1e3 * sum(collector.pauses),
             "collection_max_ms": 1e3 * max(collector.pauses, default=0.0),
             "maps_in_step_per_request": per_request[0], "unmaps_in_step_per_request": per_request[1],
-            "maps_ahead_per_request": per_request[2], "unmaps_ahead_per_request": per_request[3]}
+            "maps_ahead_per_request": per_request[2], "unmaps_ahead_per_request": per_request[3],
+            # allocations mapped, in the step and ahead (a fused run's pages are one): what the driver pays for
+            "mappings_per_request": sum(calls[steps // 2:]) / ended, "runs_fused": ledger.prefix_runs_fused}
 
 
 def in_tree(tree: Path, args) -> list[dict]:
@@ -132,7 +137,8 @@ def in_tree(tree: Path, args) -> list[dict]:
                            str(args.steps), "--kv-gib", str(args.kv_gib), "--seed", str(args.seed),
                            *(["--eager-slots", str(args.eager_slots)] if args.eager_slots is not None else []),
                            *(["--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len)]
-                             if args.prefixes else []), "--input", str(args.input)],
+                             if args.prefixes else []), "--input", str(args.input),
+                           *(["--fused-prefix-pages", str(args.fused_prefix_pages)] if args.fused_prefix_pages else [])],
                           env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -167,12 +173,14 @@ def main() -> None:
                         "this many (drawn at random) of --prefix-len tokens")
     parser.add_argument("--prefix-len", type=int, default=0)
     parser.add_argument("--input", type=int, default=512, help="each prompt's own tokens (after its prefix)")
+    parser.add_argument("--fused-prefix-pages", type=int, default=0, help="the engine's option (0: off)")
     parser.add_argument("--name", default="scheduler_serving")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     args = parser.parse_args()
     if args.json:
         print(json.dumps([closed_loop(c, args.steps, args.kv_gib, args.seed, eager_slots=args.eager_slots,
-                                      prefixes=args.prefixes, prefix_len=args.prefix_len, own=args.input)
+                                      prefixes=args.prefixes, prefix_len=args.prefix_len, own=args.input,
+                                      fused=args.fused_prefix_pages)
                           for c in args.clients]))
         return
     if args.release_ab:
@@ -190,12 +198,15 @@ def main() -> None:
             rows.append([c, side, statistics.fmean(x["us_per_step"] for x in mine), statistics.fmean(x["p99_us"] for x in mine),
                          max(x["max_us"] for x in mine), statistics.fmean(x["mapped_ahead_share"] for x in mine),
                          *(statistics.fmean(x[k] for x in mine) for k in ("maps_in_step_per_request",
-                           "unmaps_in_step_per_request", "maps_ahead_per_request", "unmaps_ahead_per_request"))])
+                           "unmaps_in_step_per_request", "maps_ahead_per_request", "unmaps_ahead_per_request",
+                           "mappings_per_request"))])
     report.write(args.name, ["clients", "tree", "us / step", "p99 us", "max us", "mapped ahead", "maps in step / req",
-                             "unmaps in step / req", "maps ahead / req", "unmaps ahead / req"], rows,
+                             "unmaps in step / req", "maps ahead / req", "unmaps ahead / req", "allocations mapped / req"],
+                 rows,
                  {"trees": {k: str(v) for k, v in trees.items()}, "order": list(order), "runs": runs,
                   "kv_gib": args.kv_gib, "steps": args.steps, "prefixes": args.prefixes,
-                  "prefix_len": args.prefix_len, "input": args.input}, args.out)
+                  "prefix_len": args.prefix_len, "input": args.input, "fused_prefix_pages": args.fused_prefix_pages},
+                 args.out)
 
 
 if __name__ == "__main__":

@@ -587,6 +587,9 @@ class SlotCache(ABC):
         for page in pages:
             self._incref(page)
         self._attach_run(slot, first, pages)
+        # What the driver pays for: an allocation mapped, a fused run's pages one (``mapping_calls``).
+        self._counters.mappings += len(pages) - sum(len(run) - 1 for run in {self._runs[p] for p in pages
+                                                                              if p in self._runs})
 
     def _attach_run(self, slot: int, first: int, pages: list[Page]) -> None:
         """Make ``pages`` back pages ``first, first + 1, ...`` of ``slot`` (one at a time, unless a subclass can
@@ -658,6 +661,7 @@ class SlotCache(ABC):
             state.pages[index] = page
             self._incref(page)
         self._swap(slot, changes)
+        self._counters.mappings += len(changes)
         for _, old, _ in changes:
             self._decref(old)
 
@@ -892,6 +896,12 @@ class SlotCache(ABC):
         with self._lock:
             c = self._counters
             return c.maps, c.unmaps, c.stall_seconds
+
+    def mapping_calls(self) -> int:
+        """Allocations mapped so far -- a page, or a fused run's pages together: what the driver's calls go with
+        (``counters``' maps count pages)."""
+        with self._lock:
+            return self._counters.mappings
 
     def fence_wait_seconds(self) -> float:
         """Seconds unmaps waited so far for queued work that still read a freed slot (``free_slot``'s fence)."""

@@ -53,6 +53,7 @@ class Counters:
 
     maps: int = 0
     unmaps: int = 0
+    mappings: int = 0  # allocations mapped: a page, or a fused run's pages together
     stall_seconds: float = 0.0
     map_latency_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
