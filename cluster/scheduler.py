@@ -147,6 +147,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._fresh.clear()
+        if self.config.fused_prefix_pages:
+            self.kv.adopt_fused()  # the slots the last step's fused runs were copied from take them: one copy held
         budget = self.config.max_num_batched_tokens
         most = self.step_seqs
         i = 0

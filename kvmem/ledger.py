@@ -9,7 +9,7 @@ import torch
 
 from kvmem.errors import KVCacheExhausted
 from kvmem.mapper import MappingPlan
-from kvmem.ops import AllocSlot, DropKept, Ensure, FreeSlot, FusePrefix, KeepPage, KVOp, MapKept, SharePrefix
+from kvmem.ops import AdoptRun, AllocSlot, DropKept, Ensure, FreeSlot, FusePrefix, KeepPage, KVOp, MapKept, SharePrefix
 from kvmem.prefix import BlockHash, PrefixIndex
 from kvmem.slots import Fence, NumberedSlotCache, SlotState
 from kvmem.spec import KVCacheSpec
@@ -63,6 +63,7 @@ class PageLedger(NumberedSlotCache):
         self._eager_idle: tuple[int, ...] | None = None
         self.prefix_pages_ahead = 0  # cached prefixes' pages mapped into free slots ahead of their requests
         self.prefix_runs_fused = 0  # cached prefixes made one allocation on their first reuse (``fuse_prefix``)
+        self._fused_from: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (pages copied, keys) since adopt_fused
 
     # -- recorded changes ----------------------------------------------------------------------
     def alloc_slot(self, expected_tokens: int = 0, slot: int | None = None) -> int:
@@ -257,10 +258,26 @@ class PageLedger(NumberedSlotCache):
 
     def fuse_prefix(self, src: int, dst: int, keys: tuple[int, ...] | list[int]) -> None:
         """``SlotCache.fuse_prefix``, recorded."""
+        copied = tuple(self._kept[key] for key in keys)
         super().fuse_prefix(src, dst, keys)
+        self._fused_from.append((copied, tuple(keys)))
         self.prefix_runs_fused += 1
         self.prefixes.touch(keys)
         self._ops.append(FusePrefix(src, dst, tuple(keys)))
+
+    def adopt_fused(self) -> None:
+        """The slots in use that hold, as their own, the pages the runs fused since the last call were copied from
+        take the runs instead (``adopt_run``, recorded): the copies' pages go back to the pool, and no prefix is held
+        twice for longer than a step. Called a step after the fusing, whose copy is then done: a worker applies the
+        operation once the step before has run (it is not ``UNFENCED``)."""
+        with self._lock:
+            fused, self._fused_from = self._fused_from, []
+            for copied, keys in fused:
+                if any(key not in self._kept for key in keys):
+                    continue  # evicted meanwhile (its slots ended): nothing to adopt
+                for slot, state in enumerate(self._slots):
+                    if state.in_use and tuple(state.pages[: len(copied)]) == copied and self.adopt_run(slot, keys):
+                        self._ops.append(AdoptRun(slot, keys))
 
     def _with_whole_runs(self, keys: tuple[int, ...]) -> tuple[int, ...]:
         """``keys`` and the other keys of every fused run one of them holds a page of: the cache holds a run's keys

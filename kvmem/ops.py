@@ -83,6 +83,15 @@ class FusePrefix:
 
 
 @dataclass(frozen=True, slots=True)
+class AdoptRun:
+    """Prefix caching: ``slot``'s first pages, the ones a fused run was copied from, become that run
+    (``SlotCache.adopt_run``). Applied once no queued step reads the slot."""
+
+    slot: int
+    keys: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class DropKept:
     """Prefix caching: evict these pages (``SlotCache.drop_kept``)."""
 
@@ -90,7 +99,7 @@ class DropKept:
 
 
 KVOp = (AllocSlot | FreeSlot | Ensure | SharePrefix | SwapOut | SwapIn | DropSwap | KeepPage | MapKept | FusePrefix
-        | DropKept)
+        | AdoptRun | DropKept)
 
 
 def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSpace | None = None,
@@ -113,6 +122,8 @@ def apply_ops(cache: SlotCache, ops: tuple[KVOp, ...] | list[KVOp], swap: SwapSp
                 cache.map_kept(slot, keys)
             case FusePrefix(src, dst, keys):
                 cache.fuse_prefix(src, dst, keys)
+            case AdoptRun(slot, keys):
+                cache.adopt_run(slot, keys)
             case DropKept(keys):
                 cache.drop_kept(keys)
             case SwapOut(seq_id, slot, tokens):

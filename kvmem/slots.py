@@ -485,6 +485,31 @@ class SlotCache(ABC):
             target.tokens = self.spec.tokens_within(len(keys))
             target.expected = max(target.expected, target.tokens)
 
+    def adopt_run(self, slot: int, keys: tuple[int, ...] | list[int]) -> bool:
+        """Make ``slot``'s first pages, which hold the bytes of the fused run held under ``keys`` (the pages the run
+        was copied from: ``fuse_prefix``'s source, or a slot that mapped them before), that run: once every such slot
+        has, those pages go back to the pool, and the prefix is held once. Only once no queued work reads the slot
+        (its pages are unmapped and the run mapped at their place). Returns whether the slot took the run."""
+        with self._lock:
+            state = self._slots[slot]
+            if missing := [k for k in keys if k not in self._kept]:
+                raise KVCacheError(f"adopt_run: no page is kept under keys {missing}")
+            run = [self._kept[key] for key in keys]
+            if len(run) < 2 or self._runs.get(run[0]) != tuple(run):
+                raise KVCacheError(f"adopt_run: keys {list(keys)[:4]}... do not hold a fused run, whole")
+            if len(state.pages) < len(run) or any(p in self._runs for p in state.pages[: len(run)]):
+                return False
+            changes = [(i, state.pages[i], page) for i, page in enumerate(run)]
+            self._await_fence(slot)
+            for index, _, page in changes:
+                state.pages[index] = page
+                self._incref(page)
+            self._swap(slot, changes)
+            self._counters.mappings += 1
+            for _, old, _ in changes:
+                self._decref(old)
+            return True
+
     @contextmanager
     def _sparing(self, slot: int, pages: int) -> Iterator[None]:
         """Meanwhile, a free ``slot`` counts as a slot in use expecting its first ``pages`` pages: no reclaim takes them

@@ -172,7 +172,7 @@ def test_prefix_caching_across_tp_and_pp_gives_the_tokens_of_an_engine_without_i
     systems = [[rng.randrange(3, 250) for _ in range(rng.randint(20, 60))] for _ in range(3)]
     prompts = [rng.choice(systems) + [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))] for _ in range(16)]
     # Fusing: room for the prefix's requests to run side by side (in a tighter pool each reuses a slot holding it)
-    kw = dict(SMALL, kv_memory=(320 if fused else 160) << 10, max_num_batched_tokens=48)
+    kw = dict(SMALL, kv_memory=(256 if fused else 160) << 10, max_num_batched_tokens=48)
     with LLM("tiny", enable_prefix_caching=False, **kw) as local:
         want = [list(o.outputs[0].token_ids) for o in local.generate(prompts, GREEDY)]
     with LLM("tiny", distributed="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp, fused_prefix_pages=fused,

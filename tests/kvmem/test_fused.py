@@ -140,3 +140,24 @@ def test_room_for_a_fused_run_comes_from_other_free_slots_never_from_the_one_it_
     assert_holds(cache, b, 0, 3 * page, tag=10.0)
     assert len(cache._slots[a].pages) == 4 and len(cache._slots[x].pages) == 1  # x gave its own three
     check_invariants(cache)
+
+
+def test_the_slot_a_run_was_copied_from_takes_the_run_and_its_own_pages_go_back(cache_factory):
+    cache = cache_factory("mega", pool_groups=12, zero_unmapped=False)
+    page = cache.spec.tokens_within(1)
+    a = cache.alloc_slot(4 * page)
+    cache.ensure(a, 3 * page + 2)
+    fill(cache, a, 0, 3 * page + 2, tag=10.0)
+    for i in range(3):
+        cache.keep(a, i, key=i)
+    b = cache.alloc_slot(4 * page)
+    cache.fuse_prefix(a, b, [0, 1, 2])
+    free = cache._free_pages()
+    assert not cache.adopt_run(b, [0, 1, 2])  # b holds the run already
+    assert cache.adopt_run(a, [0, 1, 2])
+    assert cache._free_pages() == free + 3  # the pages the run was copied from: one copy of the prefix is held
+    assert cache._slots[a].pages[:3] == list(cache._runs[cache._slots[b].pages[0]])
+    assert_holds(cache, a, 0, 3 * page + 2, tag=10.0)  # its tokens, the run's bytes, and its own page past them
+    with pytest.raises(KVCacheError, match="do not hold a fused run"):
+        cache.adopt_run(a, [0, 1])
+    check_invariants(cache)
