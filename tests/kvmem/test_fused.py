@@ -13,6 +13,20 @@ from tests.conftest import check_invariants
 from tests.kvmem.test_cache import assert_holds, fill
 
 
+def _fused(cache, tokens: int) -> tuple[int, int]:
+    """Slot a holding ``tokens`` tokens (written: tag 10), its first three pages kept under keys 0-2 and fused into a
+    new slot b; (a, b)."""
+    page = cache.spec.tokens_within(1)
+    a = cache.alloc_slot(4 * page)
+    cache.ensure(a, tokens)
+    fill(cache, a, 0, tokens, tag=10.0)
+    for i in range(3):
+        cache.keep(a, i, key=i)
+    b = cache.alloc_slot(4 * page)
+    cache.fuse_prefix(a, b, [0, 1, 2])
+    return a, b
+
+
 def _mappings_at(cache, slot: int) -> list[int]:
     """The sizes of the host mappings that start at ``slot``'s first page, one per buffer."""
     return [cache._vmm._mapped.get(base + cache._offset(slot, 0)) for base in cache._bases]
@@ -28,13 +42,7 @@ def test_a_fused_prefix_holds_the_bytes_it_was_copied_from_and_maps_as_one_alloc
     page, size = cache.spec.tokens_within(1), cache.spec.page_size
     one_mapping = (lambda slot: _mappings_at(cache, slot) == [3 * size] * spec.num_buffers) if backend == "host" \
         else (lambda slot: len(cache._pool._fused) == spec.num_buffers)  # the driver keeps no list: one allocation
-    a = cache.alloc_slot(4 * page)
-    cache.ensure(a, 3 * page + 2)
-    fill(cache, a, 0, 3 * page + 2, tag=10.0)
-    for i in range(3):
-        cache.keep(a, i, key=i)
-    b = cache.alloc_slot(4 * page)
-    cache.fuse_prefix(a, b, [0, 1, 2])
+    a, b = _fused(cache, 3 * page + 2)
     assert cache.num_tokens(b) == 3 * page
     assert_holds(cache, b, 0, 3 * page, tag=10.0)  # a's bytes, copied
     assert one_mapping(b)  # one allocation a buffer, mapped whole
@@ -67,12 +75,7 @@ def test_a_fused_prefix_holds_the_bytes_it_was_copied_from_and_maps_as_one_alloc
 def test_a_slot_lets_go_of_a_fused_run_whole_and_never_of_part_under_its_tokens(cache_factory):
     cache = cache_factory("mega", pool_groups=12, zero_unmapped=False)
     page = cache.spec.tokens_within(1)
-    a = cache.alloc_slot(4 * page)
-    cache.ensure(a, 3 * page + 1)
-    for i in range(3):
-        cache.keep(a, i, key=i)
-    b = cache.alloc_slot(4 * page)
-    cache.fuse_prefix(a, b, [0, 1, 2])
+    a, b = _fused(cache, 3 * page + 1)
     with pytest.raises(KVCacheError, match="would take a fused run that holds its tokens"):
         cache._drop_tail(b, 1)
     cache.free_slot(b)
@@ -145,13 +148,7 @@ def test_room_for_a_fused_run_comes_from_other_free_slots_never_from_the_one_it_
 def test_the_slot_a_run_was_copied_from_takes_the_run_and_its_own_pages_go_back(cache_factory):
     cache = cache_factory("mega", pool_groups=12, zero_unmapped=False)
     page = cache.spec.tokens_within(1)
-    a = cache.alloc_slot(4 * page)
-    cache.ensure(a, 3 * page + 2)
-    fill(cache, a, 0, 3 * page + 2, tag=10.0)
-    for i in range(3):
-        cache.keep(a, i, key=i)
-    b = cache.alloc_slot(4 * page)
-    cache.fuse_prefix(a, b, [0, 1, 2])
+    a, b = _fused(cache, 3 * page + 2)
     free = cache._free_pages()
     assert not cache.adopt_run(b, [0, 1, 2])  # b holds the run already
     assert cache.adopt_run(a, [0, 1, 2])
