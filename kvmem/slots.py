@@ -499,15 +499,7 @@ class SlotCache(ABC):
                 raise KVCacheError(f"adopt_run: keys {list(keys)[:4]}... do not hold a fused run, whole")
             if len(state.pages) < len(run) or any(p in self._runs for p in state.pages[: len(run)]):
                 return False
-            changes = [(i, state.pages[i], page) for i, page in enumerate(run)]
-            self._await_fence(slot)
-            for index, _, page in changes:
-                state.pages[index] = page
-                self._incref(page)
-            self._swap(slot, changes)
-            self._counters.mappings += 1
-            for _, old, _ in changes:
-                self._decref(old)
+            self._swap_in(slot, [(i, state.pages[i], page) for i, page in enumerate(run)])
             return True
 
     @contextmanager
@@ -612,9 +604,13 @@ class SlotCache(ABC):
         for page in pages:
             self._incref(page)
         self._attach_run(slot, first, pages)
-        # What the driver pays for: an allocation mapped, a fused run's pages one (``mapping_calls``).
-        self._counters.mappings += len(pages) - sum(len(run) - 1 for run in {self._runs[p] for p in pages
-                                                                              if p in self._runs})
+        self._counters.mappings += self._allocations(pages)
+
+    def _allocations(self, pages: list[Page]) -> int:
+        """What the driver pays for mapping ``pages`` (``mapping_calls``): an allocation a page, a fused run's one."""
+        if not self._runs:
+            return len(pages)
+        return len(pages) - sum(len(run) - 1 for run in {self._runs[p] for p in pages if p in self._runs})
 
     def _attach_run(self, slot: int, first: int, pages: list[Page]) -> None:
         """Make ``pages`` back pages ``first, first + 1, ...`` of ``slot`` (one at a time, unless a subclass can
@@ -681,12 +677,18 @@ class SlotCache(ABC):
             # it falls in), and the caller links the rest of ``pages`` there.
             self._drop_tail(slot, changes[0][0])
             return
+        self._swap_in(slot, changes)
+
+    def _swap_in(self, slot: int, changes: list[tuple[int, Page, Page]]) -> None:
+        """For each ``(index, old, new)``, ``new`` takes page ``index`` of ``slot`` (``_swap``), once no queued work
+        reads the slot."""
+        state = self._slots[slot]
         self._await_fence(slot)
         for index, _, page in changes:
             state.pages[index] = page
             self._incref(page)
         self._swap(slot, changes)
-        self._counters.mappings += len(changes)
+        self._counters.mappings += self._allocations([page for _, _, page in changes])
         for _, old, _ in changes:
             self._decref(old)
 
@@ -766,7 +768,7 @@ class SlotCache(ABC):
         """Give ``slot`` fresh pages of its own at ``indices`` (ascending), copying the valid bytes of each; a run
         of consecutive ones replaced at once (a request over a freed slot whose pages the prefix cache holds
         replaces them all, and holds no bytes to copy)."""
-        if fused := [i for i in indices if state.pages[i] in self._runs]:
+        if self._runs and (fused := [i for i in indices if state.pages[i] in self._runs]):
             raise KVCacheError(f"slot {slot}: a write would copy pages {fused} of a fused run, which holds whole "
                                "pages of a cached prefix only")
         for run in consecutive_runs(indices):
