@@ -19,7 +19,6 @@ shape, so one row's sums run in another order, and round otherwise, in another b
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,8 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU machines: the blocked library product
     triton = None
+
+from worker.kernels import sm_count
 
 CPU_ROWS = 16
 
@@ -120,17 +121,12 @@ def _matmul_tma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m, k = x.shape
     n = weight.shape[0]
     tiles_total = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
-    programs = min(tiles_total, _sm_count(x.device)) if t.persistent else tiles_total
+    programs = min(tiles_total, sm_count(x.device)) if t.persistent else tiles_total
     _matmul_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [t.block_m, t.block_k]), TensorDescriptor.from_tensor(weight, [t.block_n, t.block_k]),
         bias if bias is not None else x, out, m, n, k, out.stride(0), programs, HAS_BIAS=bias is not None,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 if triton is not None:

@@ -179,8 +179,9 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
 
     Each row's vocabulary is cut into parts, enough programs to fill the device, each part's best (score, id) kept,
     then the parts' best taken: one program a row walked 128K ids alone, 0.11-0.14 ms of device time whatever the
-    batch, where the parts take 0.01-0.04 ms up to 64 rows (H200, ``bench/results/sampling_parts_h200.json``). The argmax is exact, a tie going to the first id, so the token does not
-    depend on how the row was cut, nor on the batch. ``parts``: cut each row in at most this many (None: enough
+    batch, where the parts take 0.01-0.04 ms up to 64 rows (H200, ``bench/results/sampling_parts_h200.json``). The
+    argmax is exact, a tie going to the first id, so the token does not depend on how the row was cut, nor on the
+    batch. ``parts``: cut each row in at most this many (None: enough
     to fill the device; 1: one program a row, as before, for ``bench/sampling.py``)."""
     if not fused(logits) or logits.stride(-1) != 1:
         return gumbel_argmax_reference(logits, temperature, keys)
@@ -188,7 +189,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         blocks = triton.cdiv(vocab, _DRAW_BLOCK)
-        parts = parts or max(1, 4 * _sm_count(logits.device) // rows)
+        parts = parts or max(1, 4 * sm_count(logits.device) // rows)
         chunk = triton.cdiv(blocks, min(blocks, parts)) * _DRAW_BLOCK
         parts = triton.cdiv(vocab, chunk)
         best = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
@@ -200,7 +201,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors: how many programs fill it."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
